@@ -24,7 +24,7 @@ from typing import Any
 
 from trainmem.errors import TrainmemError
 
-from .nograd import NoGradLayer
+from .nograd import NoGradLayer, NoGradSeq
 from .nograd import bert_layer as nograd_bert
 from .nograd import llama_layer as nograd_llama
 
@@ -1251,7 +1251,10 @@ class LayerCoefs:
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
-    nograd_sq: tuple[float, ...] = ()  # ... and bytes per token x key (eager attention's scores, ``nograd.bert_layer``)
+    # ... and each one's bytes per token x key and per position pair (eager attention's scores,
+    # ``nograd.eager``, ``nograd.bert_layer``; the math SDPA kernel's scores and mask, ``nograd.math_sdpa``),
+    # () where all are 0
+    nograd_sq: tuple[tuple[float, float], ...] = ()
     # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
     nograd_op: tuple[int, ...] = ()
     nograd_mm0: int = -1  # ... the first matmul's output (where its cuBLAS workspace is made); -1: the first kept
@@ -1405,20 +1408,50 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
              and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
              and k.ring == 1 and not k.experts
              and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
-             and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
-             and k.attention != "eager")
-    if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
-                           k.attention_dropout) not in ("flash", "efficient", "cudnn"):
+             and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv"))
+    eager = plain and k.attention == "eager" and _nograd_eager(k, pol, B, titan)
+    backend = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
+                     k.attention_dropout) if plain and k.attention != "eager" else ""
+    math = backend == "math" and _nograd_math(k, pol, B, titan)
+    if not plain or (backend not in ("flash", "efficient", "cudnn") and not math and not eager):
         return {}
     t = k.tp
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
-    repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv")
+    repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv" or eager)
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
-                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
+                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers",
+                    k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat,
+                    k.heads / t if eager else 0.0, eager and max(pol.half, pol.stream) != F32 and not B.fp16)
     S = nograd_llama(L)
+    return _nograd_coefs(S, tuple(S.op_kept()))
+
+
+def _nograd_coefs(S: NoGradSeq, op: tuple[int, ...]) -> dict:
+    """``LayerCoefs``' no-grad fields from a layer written tensor by tensor (``nograd.NoGradSeq``): each
+    temporary's bytes per token (``nograd_temps``), beside (``nograd_const``), per token x key and per
+    position pair (``nograd_sq``, (sq, pair) each), the events, and ``op``, the per-op policy's outputs."""
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": op,
+            "nograd_sq": tuple(zip(S.sq, S.pair)) if any(S.sq) or any(S.pair) else ()}
+
+
+def _nograd_eager(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:
+    """Whether the checkpointed first forward with transformers' eager attention is written op by op
+    (``nograd.eager``): transformers' layer without attention dropout, the clamp of older transformers
+    (``k.eager_clamp``) or PyTorch < 1.11's softmax (``B.softmax_saves_input``), as
+    ``Builder._eager_forward`` writes the recorded one."""
+    drop = k.attention_dropout > 0 and B.dropout
+    return not titan and not drop and not k.eager_clamp and not B.softmax_saves_input
+
+
+def _nograd_math(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:
+    """Whether the checkpointed first forward on SDPA's math kernel is written op by op
+    (``nograd.math_sdpa``): transformers' layer, PyTorch >= 2.5 (the kernel computes in fp32,
+    ``k.math_upcast``), outside autocast (its casts of the query and keys before the kernel are not
+    written) and without attention dropout (the kernel's fp32 mask and dropped probabilities)."""
+    drop = k.attention_dropout > 0 and B.dropout
+    return not titan and k.math_upcast and not pol.amp and not drop
 
 
 def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
@@ -1443,9 +1476,8 @@ def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
     L = NoGradLayer(k.h, k.q, k.kv, k.f, pol.stream, pol.half, pol.weight)
     S = nograd_bert(L, k.heads, eager, k.hidden_dropout if B.dropout else 0.0,
                     k.attention_dropout if B.dropout else 0.0)
-    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq),
-            "nograd_op": tuple(S.sdpa), "nograd_mm0": S.mm[0]}  # (biased linears: ``addmm``, recomputed)
+    return {**_nograd_coefs(S, tuple(S.sdpa)),       # (biased linears: ``addmm``, recomputed)
+            "nograd_mm0": S.mm[0]}
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:

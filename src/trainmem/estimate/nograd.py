@@ -24,7 +24,11 @@ fused attention's logsumexp) are left out: a few KiB to 1 MiB, in the small pool
 
 A bitsandbytes 4-bit base linear (``Linear4bit``, ``NoGradLayer.quant``) also makes its weight
 dequantized, whose size is the weight's, not per token: each temporary has ``sizes`` bytes per token
-plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``.
+plus ``consts`` bytes (0 for all but those). Attention's (b, heads, s, s) scores (eager attention,
+``eager`` and ``_bert_eager``; SDPA's math kernel, ``math_sdpa``) have ``sq`` bytes per token x key
+instead, the math kernel's (s, s) causal mask ``pair`` bytes per position pair (``make_sq``); the
+replay allocates ``sizes * tokens + consts + sq * tokens x keys + pair * s^2``
+(``reserved.parts._nograd_bytes``). BERT's post-LN ``BertLayer`` is written the same way (``bert_layer``).
 
 Under autocast (``NoGradLayer.amp``, full fine-tuning) a "c" event stands for autocast's half copy
 of the next linear's weight, which the replay makes where it keeps the copies linear by linear
@@ -48,8 +52,10 @@ class NoGradSeq:
     # SDPA kernel's output: what torchtitan's per-op policy may keep (``op_kept``)
     mm: list = field(default_factory=list)
     sdpa: list = field(default_factory=list)
-    # bytes per token x key of each (eager attention's scores, ``make_sq``; 0 for the others)
+    # bytes of each per token x key (b * s * s: the math SDPA kernel's and eager attention's scores) and
+    # per position pair (s * s: the math kernel's causal mask), beside ``sizes`` (0 for the others; ``make_sq``)
     sq: list = field(default_factory=list)
+    pair: list = field(default_factory=list)
 
     def op_kept(self) -> list:
         """Indices of the temporaries torchtitan's per-op selective checkpointing keeps from the
@@ -64,13 +70,15 @@ class NoGradSeq:
         self.sizes.append(float(nbytes_tok))
         self.consts.append(float(nbytes))
         self.sq.append(0.0)
+        self.pair.append(0.0)
         self.events.append("t")
         return len(self.sizes) - 1
 
-    def make_sq(self, nbytes_sq: float) -> int:
-        """A new temporary of ``nbytes_sq`` bytes per token x key ((b, heads, s, s) scores); returns its index."""
+    def make_sq(self, nbytes_sq: float, nbytes_pair: float = 0.0) -> int:
+        """A new temporary of ``nbytes_sq`` bytes per token x key ((b, heads, s, s) scores) plus
+        ``nbytes_pair`` per position pair ((s, s) masks; ``sq``, ``pair``); returns its index."""
         i = self.make(0.0)
-        self.sq[i] = float(nbytes_sq)
+        self.sq[i], self.pair[i] = float(nbytes_sq), float(nbytes_pair)
         return i
 
     def cast(self) -> None:
@@ -108,6 +116,14 @@ class NoGradLayer:
     nested: bool = False
     amp: bool = False    # under autocast: fp32 weights and stream, linears and SDPA in ``half``
     code: str = "transformers"  # whose layer: transformers' ``LlamaDecoderLayer`` or "torchtitan"'s ``TransformerBlock``
+    # SDPA's math kernel (PyTorch >= 2.5, upcasting half inputs to fp32; ``math_sdpa``) with the
+    # query's heads per rank, else 0 (a fused kernel); ``gqa``: grouped keys expanded inside it (enable_gqa)
+    math_heads: float = 0.0
+    gqa: bool = False
+    # transformers' eager attention (``eager``) with the query's heads per rank, else 0; ``bf16_copy``:
+    # softmax(dtype=float32) copies a bf16 input to fp32 first (an fp16 one runs half_to_float)
+    eager_heads: float = 0.0
+    bf16_copy: bool = False
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -361,9 +377,14 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     if L.code == "torchtitan" and L.repeat_kv:          # xk = keys.transpose(1, 2), xv = values...
         S.free(ke, v)
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
-    casts = _sdpa_casts(S, L, rb)
-    ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
-    S.sdpa.append(ao)
+    casts = _sdpa_casts(S, L, rb) if not L.eager_heads else []
+    if L.eager_heads:
+        ao = eager(S, L)                                # eager_attention_forward (its weights kept by ``_``)
+    elif L.math_heads:
+        ao = math_sdpa(S, L)                            # the math kernel, then .transpose(1, 2).contiguous()
+    else:
+        ao = S.make(L.q * L.half)                       # scaled_dot_product_attention (fused kernel)
+        S.sdpa.append(ao)
     S.free(*casts, rk, rv)
     o = linear(S, L, "o_proj", L.q, L.h, L.half)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
@@ -381,6 +402,104 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     S.events.append("o")                                # residual + hidden_states: the output
     del h1, down                                        # (freed after it: the replay frees what is alive)
     return S
+
+
+def math_sdpa(S: NoGradSeq, L: NoGradLayer) -> int:
+    """``F.scaled_dot_product_attention`` on SDPA's math kernel under no_grad, then transformers'
+    ``attn_output.transpose(1, 2).contiguous()`` (integrations/sdpa_attention.py
+    ``sdpa_attention_forward``, a copy: the math kernel writes (b, heads, s, d)), the kernel's output
+    freed as the name is rebound. torch 2.13 ``aten/src/ATen/native/transformers/attention.cpp``
+    ``_scaled_dot_product_attention_math`` (PyTorch >= 2.5: half inputs computed in fp32), in the
+    order its ops ran (dispatch log of the kernel on CPU, bf16 and fp32; trace of Llama-3.2-1B b1
+    s1024 bf16, 2048-wide: 8, 2, 2, 8, (mask), 8, 8, 8, 128, -8, 128, -128, 64, 8, 4, -8, then the
+    rest freed as the kernel returns): ``query_.to(kFloat)``, ``key.to``, ``value.to`` (fp32 copies
+    of half inputs, none in fp32); ``query_acc * scaling_factor`` (fp32); the causal mask
+    (``ones({L, S}, kBool).tril()``, the bool ones freed, ``convert_boolean_attn_mask``'s fp32
+    ``where``, the tril freed: per position pair); with ``enable_gqa``
+    (``pre_process_group_query_attention_input``) the keys and the values expanded to the query's
+    heads (``repeat_interleave``: fp32 copies); ``key.transpose(-2, -1) * scaling_factor`` (fp32,
+    freed once ``matmul`` has read it); the scores (``bmm``, (b, heads, s, s) fp32); the mask added
+    in place; ``_safe_softmax`` (fp32, the scores freed as ``attn`` is rebound); ``attn.to(origin)``
+    (the second returned tensor, a half copy made first, dropped by ``scaled_dot_product_attention``);
+    ``matmul(attn, value)`` (fp32) and ``.to(origin)`` (half, the fp32 one freed). Everything else
+    is freed as the kernel returns. ``_safe_softmax``'s own temporaries run below the dispatcher
+    (trace.cuda_kernels) and are left out, as the scalars. Returns the contiguous copy's index."""
+    d, hd = L.half, L.math_heads
+    kv = L.q if L.repeat_kv else L.kv                   # the key width SDPA is given (repeat_kv's copies)
+    up = d != F32
+    qa = S.make(L.q * F32) if up else None              # query_.to(at::kFloat)
+    ka = S.make(kv * F32) if up else None               # key.to(at::kFloat)
+    va = S.make(kv * F32) if up else None               # value.to(at::kFloat)
+    qs = S.make(L.q * F32)                              # query_acc * scaling_factor
+    ones = S.make_sq(0.0, 1)                            # at::ones_symint({L, S}, kBool)
+    tril = S.make_sq(0.0, 1)                            # .tril()
+    S.free(ones)
+    mask = S.make_sq(0.0, F32)                          # convert_boolean_attn_mask: where(...) in fp32
+    S.free(tril)
+    ke = S.make(L.q * F32) if L.gqa else None           # enable_gqa: keys, values at the query's heads
+    ve = S.make(L.q * F32) if L.gqa else None
+    ks = S.make(L.q * F32)                              # key.transpose(-2, -1) * scaling_factor
+    sc = S.make_sq(hd * F32)                            # at::matmul: the scores (b, heads, s, s)
+    S.free(ks)
+    sm = S.make_sq(hd * F32)                            # at::_safe_softmax(attn, -1)
+    S.free(sc)
+    ac = S.make_sq(hd * d) if up else None              # attn.to(origin_dtype) (returned, dropped)
+    pv = S.make(L.q * F32)                              # at::matmul(attn, value)
+    out = S.make(L.q * d) if up else pv                 # .to(origin_dtype)
+    if up:
+        S.free(pv)
+    S.free(sm, ke, ve, qs, mask, va, ka, qa, ac)        # the kernel returns
+    ctg = S.make(L.q * L.half)                          # attn_output.transpose(1, 2).contiguous()
+    S.free(out)
+    return ctg
+
+
+def eager(S: NoGradSeq, L: NoGradLayer) -> int:
+    """transformers 5.24 ``models/llama/modeling_llama.py`` ``eager_attention_forward`` (L180-202; Mistral's
+    and Qwen2's the same) under no_grad, without dropout (``p=0``: ``at::dropout`` returns its input),
+    after ``repeat_kv``'s copies (L190-191, made by the caller, ``llama_layer``, where the key heads are
+    fewer): ``matmul(query, key^T)`` (A, (b, heads, s, s) in the half dtype) ``* scaling`` (B; A freed),
+    ``+ attention_mask`` (C; B freed; the mask, built once per model forward, is the stream's dtype,
+    the half one outside autocast); ``softmax(C, dim=-1, dtype=float32)``: a bf16 input first copied
+    to fp32 (F, torch 2.13 ``aten/src/ATen/native/SoftMax.cpp`` ``softmax``: ``input_.toType(dtype)``;
+    an fp16 one runs ``half_to_float``), the fp32 output (D; F freed), ``.to(query.dtype)`` (E, a copy
+    unless fp32; D freed), C freed as ``attn_weights`` is rebound; ``matmul(attn_weights, value)``
+    (q-wide, half) and ``transpose(1, 2).contiguous()`` (a copy; the first freed). E is returned as
+    ``attn_weights`` through ``LlamaAttention.forward`` (L258-271) to ``LlamaDecoderLayer.forward``'s
+    ``hidden_states, _ = self.self_attn(...)`` (L299): the local ``_`` holds it until the layer
+    returns, so it is alive at the output ("o") and freed after it. Trace, Llama-3.2-1B b1 s1024 bf16
+    eager, full recomputation: 4, 4 (repeat_kv), 64, 64, -64, 64, -64, 128, 128, -128, 64, -128,
+    -64, 4, 4, -4, the 64 MiB weights freed after the layer's output. Under autocast (``L.amp``)
+    ``matmul`` is on the lower-precision list (``autocast_mode.cpp`` ``cached_cast``, in argument
+    order, freed as it returns): the fp32 rotated query and the repeated fp32 keys cast to half before
+    the scores, the weights cast before ``matmul(attn_weights, value)``; the mask is fp32 (the
+    stream's), so C is fp32, softmax copies nothing, and ``.to(query.dtype)`` (fp32) is D itself, which
+    ``_`` then holds. Trace, the same at bf16-amp: 8, 4 (repeat_kv), 4, 4, 64, -4, -4, 64, -64, 128,
+    -64, 128, -128, 64, 4, -64, 4, -4, -8, -4; the 128 MiB softmax output freed after the layer's
+    output. Returns the copy's index."""
+    d, hd = L.half, L.eager_heads
+    qc = S.make(L.q * d) if L.amp else None             # autocast's matmul: query.to(half) (rotated in fp32),
+    kc = S.make(L.q * d) if L.amp else None             # key_states.to(half), freed as it returns
+    a = S.make_sq(hd * d)                               # torch.matmul(query, key_states.transpose(2, 3))
+    S.free(kc, qc)
+    b = S.make_sq(hd * d)                               # ... * scaling
+    S.free(a)
+    c = S.make_sq(hd * max(d, L.stream))                # attn_weights + attention_mask
+    S.free(b)
+    f = S.make_sq(hd * F32) if L.bf16_copy else None    # softmax's input_.toType(float32)
+    sm = S.make_sq(hd * F32)                            # softmax(..., dtype=torch.float32)
+    S.free(f)
+    w = sm
+    if not L.amp and d != F32:
+        w = S.make_sq(hd * d)                           # .to(query.dtype)
+        S.free(sm)
+    S.free(c)                                           # attn_weights rebound
+    wc = S.make_sq(hd * d) if L.amp else None           # autocast's matmul: attn_weights.to(half)
+    o = S.make(L.q * d)                                 # torch.matmul(attn_weights, value_states)
+    S.free(wc)
+    ctg = S.make(L.q * d)                               # attn_output.transpose(1, 2).contiguous()
+    S.free(o)
+    return ctg                                          # (w: held by the decoder layer's ``_``)
 
 
 def _bert_dropout(S: NoGradSeq, L: NoGradLayer, x: int, width: float, p: float) -> int:

@@ -68,11 +68,16 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
 
 
 def _nograd_bytes(lc: Any, n: int, nsq: int) -> list[int]:
-    """Bytes of each temporary of a hand-written layer's checkpointed first forward (``LayerCoefs.nograd_temps``
-    per token, ``nograd_const`` beside, ``nograd_sq`` per token x key) at ``n`` tokens, ``nsq`` tokens x keys."""
+    """Bytes of each temporary of a hand-written layer's checkpointed first forward (``estimate/nograd.py``)
+    at ``n`` tokens and ``nsq`` tokens x keys (b s^2): ``LayerCoefs.nograd_temps`` per token,
+    ``nograd_const`` beside (a dequantized 4-bit weight), and ``nograd_sq``'s (sq, pair) per token x key
+    (attention's (b, heads, s, s) scores: eager attention's, ``nograd.eager`` and ``nograd.bert_layer``,
+    the math SDPA kernel's, ``nograd.math_sdpa``) and per position pair (s^2 = (nsq / n)^2: the math
+    kernel's (s, s) causal mask)."""
     m = len(lc.nograd_temps)
-    return [int(a * n + c + b * nsq) for a, c, b in zip(lc.nograd_temps, lc.nograd_const or [0.0] * m,
-                                                        lc.nograd_sq or [0.0] * m)]
+    s = nsq / n if n > 0 else 0.0
+    return [int(a * n + c + b * nsq + pb * s * s)
+            for a, c, (b, pb) in zip(lc.nograd_temps, lc.nograd_const or [0.0] * m, lc.nograd_sq or [(0.0, 0.0)] * m)]
 
 
 @dataclass
