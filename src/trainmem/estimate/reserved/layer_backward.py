@@ -190,7 +190,7 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
             groups.append([m])
             starts.append(i)
     for group, start in reversed(list(zip(groups, starts))):
-        _release_saved(R, saved, lc.moment_saved, start)
+        _release_saved(R, saved, lc.moment_saved, start, len(lc.tensors))
         half = None
         for k, (blocks, lin) in enumerate(group):
             hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
@@ -312,7 +312,7 @@ def _transient_before_moe(q: Quantities, n: int, nsq: int) -> int:
     return max(0, value - grads)
 
 
-def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int) -> None:
+def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int, total: int) -> None:
     """Before the backward of the op whose first moment is ``start``: the layer's saved tensors made
     after that moment (``LayerCoefs.moment_saved``, in save order, the first ones of ``kept``) belong
     to ops back-propagated already, whose nodes released them once they ran (torch 2.13
@@ -321,7 +321,7 @@ def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int) -> None:
     earliest of them has run. Freed here and dropped from ``kept``."""
     if start >= len(saved):
         return
-    for i in range(saved[start], min(len(kept), max(saved))):
+    for i in range(saved[start], min(len(kept), total)):
         R.free(kept[i])
         kept[i] = None
 
