@@ -189,11 +189,12 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
         else:
             groups.append([m])
             starts.append(i)
+    resid = R.alloc(int(lc.resid_grad * n)) if lc.resid_grad else None  # (b, s, h), the stream's dtype
     for group, start in reversed(list(zip(groups, starts))):
         _release_saved(R, saved, lc.moment_saved, start, len(lc.tensors))
         half = None
         for k, (blocks, lin) in enumerate(group):
-            hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
+            hs = R.allocs(_moment_sizes(lc, start + k, blocks, nb, resid is not None))  # (b, s, width) each
             if lin >= 0 and k == 0:                                # mm: the weight gradient (half under autocast)
                 half = _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=len(group) > 1)
             elif lin >= 0:                                         # ToCopyBackward0: its fp32 .grad
@@ -202,9 +203,23 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
                 half = None
             R.frees(hs)
         R.free(half)
+    R.free(resid)
     R.frees(copies)
     kept.casts = []
     return made
+
+
+def _moment_sizes(lc: Any, i: int, blocks: tuple, nb: tuple[int, int], held: bool) -> list[int]:
+    """Bytes of the tensors of the layer's ``i``-th backward moment (``LayerCoefs.moment_blocks``: (per
+    token, per token x key) each, its dtype) at ``nb`` (tokens, tokens x keys), less the layer's output
+    gradient it counts (``LayerCoefs.incoming``) where ``_op_backward`` holds the residual stream's
+    gradient through the whole layer (``held``; ``LayerCoefs.resid_grad``): that tensor is the held one."""
+    n, nsq = nb
+    sizes = [int(a * n + b * nsq) for a, b in blocks]
+    inc = int(lc.incoming[i] * n) if held and i < len(lc.incoming) else 0
+    if inc and inc in sizes:
+        sizes.remove(inc)
+    return sizes
 
 
 #: the backward ops of ``layers._moe`` (grouped experts), in forward order, and of each the saved tensors
