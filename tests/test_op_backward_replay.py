@@ -34,7 +34,11 @@ def _both(model: tuple, **kw):
 # more 393 MiB segment. Twenty-second session: 0.00 % once GPT-2's forward is replayed in trace's op order
 # (its embeddings' outputs held, the cuBLAS workspace at c_attn's matmul, the GELU's and the residual
 # dropouts' temporaries; tests/test_gpt2_forward_order.py), and -0.79 % once the saved tensors of the ops
-# back-propagated already are freed op by op (``reserved.layer_backward._release_saved``), each alone.
+# back-propagated already are freed op by op (``reserved.layer_backward._release_saved``), each alone;
+# +15.1 % with both (the MLP's dropout mask, saved after the layer's last moment, kept to the layer's end, and
+# the residual stream's gradient, which trace holds through each branch, missing: c_proj's 9 MiB weight
+# gradient found a hole there and a later one went into a logits segment); 0.00 % with both since
+# (``_release_saved`` to the layer's last saved tensor, ``LayerCoefs.resid_grad``).
 
 
 @pytest.mark.parametrize("model, kw", [

@@ -38,3 +38,43 @@ def test_per_op_policy_releases_the_remade_tensors(bench):
     r = bench.compare(bench.Case("mistral", 4, 512, (("optimizer", "adamw-8bit"), ("recompute", "op"))),
                       reserved=True)
     assert abs(r.reserved_diff) < 0.03, r.reserved_diff
+
+
+class _Frees:
+    """A stand-in for the replay's allocator: records what is freed."""
+
+    def __init__(self) -> None:
+        self.freed: list = []
+
+    def free(self, h) -> None:
+        self.freed.append(h)
+
+
+def test_release_reaches_the_tensors_saved_after_the_last_moment():
+    """GPT-2's MLP dropout mask is saved after the layer's last backward moment (``mlp.c_proj``); its
+    node runs first in backward, so before that moment's op every tensor saved after it is released,
+    the mask included (trace: freed before ``c_proj``'s input gradient), not only those up to the last
+    moment's count."""
+    from trainmem.estimate.reserved.layer_backward import _release_saved
+    r = resolve("gpt2", set=["n_layer=2"], precision="fp32")
+    lc = layer_coefficients(layer_key(r.model, r.training))
+    total = len(lc.tensors)
+    assert lc.moment_saved[-1] < total                            # something is saved after the last moment
+    kept = list(range(100, 100 + total)) + ["casts"]              # handles in save order, then a non-saved one
+    R = _Frees()
+    _release_saved(R, kept, lc.moment_saved, len(lc.moment_saved) - 1, total)
+    assert R.freed == list(range(100 + lc.moment_saved[-1], 100 + total))
+    assert kept[-1] == "casts" and kept[total - 1] is None
+
+
+def test_residual_gradient_held_where_a_branch_dropout_runs():
+    """GPT-2's residual branches end in a dropout (``resid_pdrop``), so the branch's output gradient is
+    ``native_dropout_backward``'s own tensor and the residual stream's gradient, (b, s, h) in the stream's
+    dtype, is held beside the layer's backward ops (``LayerCoefs.resid_grad``); a moment counting it
+    (``incoming``) exists. Without the dropout (Llama) the branch gets the stream's gradient itself."""
+    g = resolve("gpt2", set=["n_layer=2"], precision="fp32")
+    lc = layer_coefficients(layer_key(g.model, g.training))
+    assert lc.resid_grad == g.model.hidden_size * 4               # fp32 stream
+    assert any(lc.incoming) and max(lc.incoming) == lc.resid_grad
+    lla = resolve("llama-2-7b", set=["num_hidden_layers=2"], precision="fp32")
+    assert layer_coefficients(layer_key(lla.model, lla.training)).resid_grad == 0.0

@@ -113,6 +113,9 @@ class Recipe:
     # ... and per transient how many tensors the layer had saved by then (the ones its backward has not
     # released yet: ``reserved.layer_backward._release_saved``)
     moment_saved: list = field(default_factory=list)
+    # bytes per token of the residual stream's gradient alive beside every backward op of the layer where
+    # a branch's dropout made the branch's own (``_gpt2_branch_dropout``; ``LayerCoefs.resid_grad``)
+    resid_grad: float = 0.0
     at_linear: int = -1
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
@@ -1281,6 +1284,7 @@ class LayerCoefs:
     # ``reserved.layer_backward._op_backward`` makes them op by op instead of one block of the worst moment
     moment_blocks: tuple[tuple[tuple[tuple[float, float], ...], int], ...] = ()
     moment_saved: tuple[int, ...] = ()  # per moment: the tensors saved by then (``Recipe.moment_saved``)
+    resid_grad: float = 0.0  # the residual stream's gradient held through the layer's backward (``Recipe.resid_grad``)
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1386,6 +1390,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                                        for at, ts, ev in B.r.fwd_groups),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
                       moment_saved=() if k.reentrant else tuple(B.r.moment_saved),
+                      resid_grad=0.0 if k.reentrant else B.r.resid_grad,
                       **_nograd_sequence(k, pol, B, build))
 
 
@@ -1638,6 +1643,7 @@ def _gpt2_branch_dropout(B: Builder, h: float, p: float, name: str, p_drop: floa
         return
     B.r.forward_group([T(h, 0, half, "resid"), T(h, 0, half, name)], ["t", "t", "s", "f0", "e1"],
                       T(h, 0, 1, name + ".mask"))
+    B.r.resid_grad = h * B.p.stream  # (b, s, h), the residual stream's dtype: its gradient, apart from the branch's
 
 
 def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:

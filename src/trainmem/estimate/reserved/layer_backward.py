@@ -167,6 +167,17 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
     weight copy freed, then ``ToCopyBackward0``'s fp32 ``.grad`` at the linear's second moment). The
     saved tensors of the ops back-propagated already are freed before each op's tensors
     (``_release_saved``, ``Node::release_variables``; those left at the layer's end as before).
+    Where a residual branch's dropout makes the branch's output gradient a tensor of its own
+    (``LayerCoefs.resid_grad``: GPT-2), the residual stream's gradient is held beside every op of the
+    layer, as one block: ``AddBackward0`` hands the layer's output gradient to both the branch and
+    the residual path, where it waits in the input buffer of the node below
+    (``torch/csrc/autograd/input_buffer.h`` L4-6) until the branch's gradient arrives through the
+    norm's backward; their sum is then held through the attention branch the same way (transformers
+    5.24 ``models/gpt2/modeling_gpt2.py`` L285, L310: ``hidden_states = residual + ...``). A moment
+    that counts it (``LayerCoefs.incoming``) does not make it again (``_moment_sizes``). Without it
+    and with the saved tensors released, GPT-2 b1 s2048 fp32 loss upcast ga 2 was +15.1 % over trace's
+    peak reserved memory (``mlp.c_proj``'s 9 MiB weight gradient found the 6 MiB hole trace fills
+    with it, and a later one went into a logits segment), 0.00 % with it, every segment equal.
     Against trace on the agreement grid: beyond 5 % 64 -> 62 of 409 (GPT-2 b1 s1024 +10.66 ->
     -0.69 %, b1 s2048 fp32 ga 2 +14.34 -> -0.79 %, Mistral b4 s512 eager dp 4 Adafactor +8.48 ->
     +1.06 %; Mistral b2 s512 eager pp 2 ga 2 +1.05 -> -9.11 %, its last stage's second micro-batch
@@ -189,11 +200,12 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
         else:
             groups.append([m])
             starts.append(i)
+    resid = R.alloc(int(lc.resid_grad * n)) if lc.resid_grad else None  # (b, s, h), the stream's dtype
     for group, start in reversed(list(zip(groups, starts))):
-        _release_saved(R, saved, lc.moment_saved, start)
+        _release_saved(R, saved, lc.moment_saved, start, len(lc.tensors))
         half = None
         for k, (blocks, lin) in enumerate(group):
-            hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
+            hs = R.allocs(_moment_sizes(lc, start + k, blocks, nb, resid is not None))  # (b, s, width) each
             if lin >= 0 and k == 0:                                # mm: the weight gradient (half under autocast)
                 half = _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=len(group) > 1)
             elif lin >= 0:                                         # ToCopyBackward0: its fp32 .grad
@@ -202,9 +214,23 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
                 half = None
             R.frees(hs)
         R.free(half)
+    R.free(resid)
     R.frees(copies)
     kept.casts = []
     return made
+
+
+def _moment_sizes(lc: Any, i: int, blocks: tuple, nb: tuple[int, int], held: bool) -> list[int]:
+    """Bytes of the tensors of the layer's ``i``-th backward moment (``LayerCoefs.moment_blocks``: (per
+    token, per token x key) each, its dtype) at ``nb`` (tokens, tokens x keys), less the layer's output
+    gradient it counts (``LayerCoefs.incoming``) where ``_op_backward`` holds the residual stream's
+    gradient through the whole layer (``held``; ``LayerCoefs.resid_grad``): that tensor is the held one."""
+    n, nsq = nb
+    sizes = [int(a * n + b * nsq) for a, b in blocks]
+    inc = int(lc.incoming[i] * n) if held and i < len(lc.incoming) else 0
+    if inc and inc in sizes:
+        sizes.remove(inc)
+    return sizes
 
 
 #: the backward ops of ``layers._moe`` (grouped experts), in forward order, and of each the saved tensors
@@ -312,16 +338,22 @@ def _transient_before_moe(q: Quantities, n: int, nsq: int) -> int:
     return max(0, value - grads)
 
 
-def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int) -> None:
+def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int, total: int) -> None:
     """Before the backward of the op whose first moment is ``start``: the layer's saved tensors made
     after that moment (``LayerCoefs.moment_saved``, in save order, the first ones of ``kept``) belong
     to ops back-propagated already, whose nodes released them once they ran (torch 2.13
     ``csrc/autograd/engine.cpp`` ``call_function`` -> ``Node::release_variables`` unless
     ``retain_graph``); a tensor several ops saved counts from its first save, so it lives until the
-    earliest of them has run. Freed here and dropped from ``kept``."""
+    earliest of them has run. Freed here and dropped from ``kept``. Up to the layer's last saved tensor
+    (``total``, ``len(LayerCoefs.tensors)``; ``kept`` may hold more: autocast's copies as one block), not
+    the last moment's count: a tensor saved after the layer's last moment belongs to an op whose backward
+    has no moment of its own and ran first, GPT-2's MLP dropout mask (``native_dropout_backward(grad,
+    mask, scale)``, torch 2.13 ``tools/autograd/derivatives.yaml`` ``native_dropout``), released before
+    ``mlp.c_proj``'s backward (trace, GPT-2 b1 s2048 fp32: the 1.5 MiB mask freed before ``c_proj``'s input
+    gradient is made); the replay kept it to the layer's end."""
     if start >= len(saved):
         return
-    for i in range(saved[start], min(len(kept), max(saved))):
+    for i in range(saved[start], min(len(kept), total)):
         R.free(kept[i])
         kept[i] = None
 
