@@ -39,7 +39,7 @@ from trainmem.estimate import engine
 from trainmem.estimate.layers import layer_coefficients
 from trainmem.estimate.quantities.build import clear_cache as clear_quantities
 from trainmem.errors import TrainmemError
-from trainmem.spec import TrainingSpec, catalogue_names, resolve_model
+from trainmem.spec import catalogue_names, resolve_model
 from trainmem.spec.resolve import resolve
 from trainmem.spec.layout import tp_problems
 
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {a.cpu})
 
     setups = make_setups(a.n, a.seed)
-    models = {name: resolve_model(name) for name, _ in setups}
-    pairs = [(models[name], TrainingSpec(**opts)) for name, opts in setups]
+    resolved = [resolve(name, **opts) for name, opts in setups]   # the specs the api path resolves
+    pairs = [(r.model, r.training) for r in resolved]
 
     def api(it):
         return trainmem.estimate(it[0], **it[1])
