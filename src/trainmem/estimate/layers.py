@@ -1676,11 +1676,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     ``LinearWithGradAccumulationAndAsyncCommunication.forward``: ``ctx.save_for_backward(input,
     weight)`` before the all-gather into its global buffer)."""
     pol, half = B.p, B.p.half
-    a_in = B.rms_norm_hf(x, "input_layernorm")
     gathered = h if k.sp_gathered else h / sp_div  # what the column-parallel linears get (and save)
-    src = T(gathered, 0, a_in.nbytes, "input_layernorm.out")
-    if not pol.amp and not B.frozen:
-        B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
+    src = _llama_norm(B, x, "input_layernorm", gathered)  # shared input of q/k/v
     B.outer_live = (src,)  # the decoder layer's ``hidden_states`` while ``self_attn`` runs
     proj = {}
     for name, width, out, rows in (("q_proj", q, "attn.q", heads), ("k_proj", kv, "attn.k", kvh),
@@ -1703,10 +1700,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
                       softmax_fp32_then_cast=True)
     B.linear(ctx, h, "o_proj", "o_proj.input")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
-    m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
-    src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
-    if not pol.amp and not B.frozen:
-        B.r.save(src2)
+    src2 = _llama_norm(B, x2, "post_attention_layernorm", gathered)
     # ``hidden_states`` while ``self.mlp`` runs (LlamaMLP's ``x``), and ``residual``, which the norm
     # saved as its fp32 cast where it is half (an fp32 one is the tensor the norm saved)
     B.outer_live = (src2,) if x2.nbytes == F32 else (src2, x2)
@@ -1721,6 +1715,59 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
     B.outer_live = ()
+
+
+def _llama_norm(B: Builder, x: T, name: str, gathered: float) -> T:
+    """A Llama decoder layer's RMSNorm and its output (``src``: what the next linears read, (b, s, h) or the
+    gathered sequence under SP), saved here without autocast by a trainable linear (``Builder.linear``:
+    no per-call casts; frozen linears save none). Where the norm is transformers' own in Python ops with a
+    trainable weight and no autocast or SP (``_llama_norm_group``), in op order with its temporaries;
+    else ``Builder.rms_norm_hf`` (the same saved tensors, its temporaries freed at the layer's end)."""
+    if _plain_hf_norm(B) and gathered == x.tok and not B.p.amp:
+        return _llama_norm_group(B, x, name)
+    a_in = B.rms_norm_hf(x, name)
+    src = T(gathered, 0, a_in.nbytes, name + ".out")
+    if not B.p.amp and not B.frozen:
+        B.r.save(src)
+    return src
+
+
+def _plain_hf_norm(B: Builder) -> bool:
+    """Whether ``Builder.rms_norm_hf`` is transformers' ``LlamaRMSNorm`` as written (no Liger kernel,
+    input-dtype or torchtune variant) with a trainable weight and no LoRA (whose first-layer saves
+    ``grad_starts`` tracks)."""
+    return not (B.liger or B.rms_input or B.norm_fp32_product or B.frozen or B.base_trains or B.lora)
+
+
+def _llama_norm_group(B: Builder, x: T, name: str) -> T:
+    """transformers 5.24.0 ``LlamaRMSNorm.forward`` (``models/llama/modeling_llama.py`` L62-67) without
+    autocast, in op order (``Recipe.forward_group``) with the tensors ``rms_norm_hf`` saves, then its
+    output, which the q/k/v or gate/up linears save. Per token: ``hidden_states.to(torch.float32)``
+    (fp32, saved by ``pow`` and the multiply; the input itself when it is fp32, counted as
+    ``rms_norm_hf`` counts it); ``pow(2)`` (fp32, temporary: freed once ``mean`` has reduced it);
+    ``mean(-1, keepdim=True)`` (``variance``, fp32 per row, held by the frame until the return);
+    ``variance + eps`` (fp32 per row, freed once ``rsqrt`` has run); ``rsqrt`` (fp32 per row, saved);
+    ``hidden_states * rsqrt`` (fp32, rebinds ``hidden_states``: held until the return); its
+    ``.to(input_dtype)`` (a new half tensor where the input is half, saved by the weight's multiply;
+    the fp32 product itself, no copy, where it is fp32); ``self.weight * ...`` (the output, weight x
+    input dtype promotion), then the frame's ``variance`` and fp32 product are freed. Trace, a 2-layer
+    Llama (h 1024) b4 s512 pure bf16 asks 8 MiB, 8 MiB, 8 KiB x3, 8 MiB, 4 MiB, 4 MiB; the replay
+    had asked 8 MiB, 8 KiB, 4 MiB x2 and made ``pow``'s and the product's 8 MiB after the layer."""
+    half = x.nbytes != F32                                        # the input's dtype: bf16/fp16 or fp32
+    x32 = T(x.tok, 0, F32, name)                                  # x.to(float32): (b, s, h) fp32
+    temps = [T(x.tok, 0, F32, name + ".pow"), T(1, 0, F32, name + ".variance"),  # (b, s, h), (b, s, 1)
+             T(1, 0, F32, name + ".eps")]                                         # (b, s, 1) fp32
+    stats = T(1, 0, F32, name + ".stats")                         # rsqrt: (b, s, 1) fp32, saved
+    normed = T(x.tok, 0, x.nbytes, name)                          # .to(input_dtype): saved by weight * ...
+    out = T(x.tok, 0, max(B.p.weight, x.nbytes), name + ".out")   # the norm's output: (b, s, h)
+    B.r.input_saved |= not half and x is B.layer_input
+    if half:
+        temps.append(T(x.tok, 0, F32, name + ".normed32"))        # hidden * rsqrt: (b, s, h) fp32
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "t", "s", "s", "f1", "f3"]
+    else:                                                         # fp32: .to(fp32) is the product itself
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "s", "f1"]
+    B.r.forward_group(temps, events, x32, stats, normed, out)
+    return out
 
 
 def _unsloth_dequant(B: Builder, w: float) -> float:
