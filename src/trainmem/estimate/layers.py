@@ -1696,6 +1696,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
             # half, or fp32 from a 4-bit linear under autocast (Builder.frozen_linear), not rotary's fp32 cos/sin
             k = dataclasses.replace(k, rotary_keys_half=proj["k_proj"].nbytes != F32)
         _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, shares), _cache_tensors(k, pol, kk, vv, kv, True))
+    if _rotary_in_order(B, k, backend, heads, kvh):
+        _llama_rotary_group(B, proj["q_proj"], proj["k_proj"], qq, kk, vv)
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)
     B.linear(ctx, h, "o_proj", "o_proj.input")
@@ -1768,6 +1770,41 @@ def _llama_norm_group(B: Builder, x: T, name: str) -> T:
         events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "s", "f1"]
     B.r.forward_group(temps, events, x32, stats, normed, out)
     return out
+
+
+def _rotary_in_order(B: Builder, k: LayerKey, backend: str, heads: float, kvh: float) -> bool:
+    """Whether ``_llama_rotary_group`` writes the rotary embedding's tensors: transformers' own
+    ``apply_rotary_pos_emb`` (no Liger RoPE, no Qwen3 q/k norms, no KV cache) without autocast (whose
+    fp32 ``cos``/``sin`` make fp32 products) or LoRA, before a fused SDPA kernel that saves the rotated
+    q and k and v themselves (no padded or repeated copies, no ring attention)."""
+    if B.p.amp or k.liger or k.qk_norm or k.kv_cache or not _plain_hf_norm(B) or B.ring > 1:
+        return False
+    if backend not in ("flash", "efficient", "cudnn") or (backend == "flash" and k.head_dim % 8):
+        return False
+    return heads == kvh or not (B.repeat_kv or sdpa_repeats_kv(heads, kvh, k.head_dim))
+
+
+def _llama_rotary_group(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) -> None:
+    """``LlamaAttention.forward``'s projections and rotary embedding in op order (``Recipe.forward_group``;
+    transformers 5.24.0 ``models/llama/modeling_llama.py`` L119-148 ``rotate_half``,
+    ``apply_rotary_pos_emb``, and the attention's forward), saving ``v_proj``'s output (``vv``) and the
+    rotated ``qq``, ``kk``, which the fused SDPA kernel saves next (``Builder._fused_attention``; saved
+    again there, in place). In the compute dtype (no autocast: ``cos``/``sin`` are cast to the hidden
+    states' dtype by ``LlamaRotaryEmbedding.forward``): ``q_proj``'s and ``k_proj``'s outputs (held as
+    ``query_states``/``key_states`` until ``apply_rotary_pos_emb`` returns and rebinds them); per q
+    then k: ``q * cos``, ``-x2`` (half of q's width, freed once ``torch.cat`` has run), the ``cat``
+    (freed once multiplied), ``rotate_half(q) * sin``, their sum (the rotated tensor, saved), then
+    both products freed. ``mul`` by a ``cos``/``sin`` that needs no gradient saves only them. Trace, a
+    2-layer Llama (h 1024) b4 s512 pure bf16: ``q_proj`` 4 MiB, the cuBLAS workspace, ``k_proj``,
+    ``v_proj`` 4 MiB, then 4, 2, 4, 4, 4 MiB twice (the replay makes the workspace before ``q_proj``'s
+    output: ``_saved_and_casts`` places it after the saved tensors before the first linear)."""
+    temps = [q_out, k_out]                                        # (b, s, q), (b, s, kv) in the compute dtype
+    events = ["t", "t", "s"]                                      # q_proj, k_proj, v_proj (saved) outputs
+    for base, x in ((2, q_out), (6, k_out)):
+        temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
+                  T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin")]     # cat, cat*sin
+        events += ["t", "t", "t", f"f{base + 1}", "t", f"f{base + 2}", "s", f"f{base}", f"f{base + 3}"]
+    B.r.forward_group(temps, events + ["f0", "f1"], vv, qq, kk)
 
 
 def _unsloth_dequant(B: Builder, w: float) -> float:
