@@ -1725,7 +1725,7 @@ def _llama_norm(B: Builder, x: T, name: str, gathered: float) -> T:
     no per-call casts; frozen linears save none). Where the norm is transformers' own in Python ops with a
     trainable weight and no autocast or SP (``_llama_norm_group``), in op order with its temporaries;
     else ``Builder.rms_norm_hf`` (the same saved tensors, its temporaries freed at the layer's end)."""
-    if _plain_hf_norm(B) and gathered == x.tok and not B.p.amp:
+    if _plain_hf_norm(B) and gathered == x.tok and B.sp_div == 1 and not B.p.amp:
         return _llama_norm_group(B, x, name)
     a_in = B.rms_norm_hf(x, name)
     src = T(gathered, 0, a_in.nbytes, name + ".out")
@@ -1776,9 +1776,13 @@ def _rotary_in_order(B: Builder, k: LayerKey, backend: str, heads: float, kvh: f
     """Whether ``_llama_rotary_group`` writes the rotary embedding's tensors: transformers' own
     ``apply_rotary_pos_emb`` (no Liger RoPE, no Qwen3 q/k norms, no KV cache) without autocast (whose
     fp32 ``cos``/``sin`` make fp32 products) or LoRA, before a fused SDPA kernel that saves the rotated
-    q and k and v themselves (no padded or repeated copies, no ring attention)."""
+    q and k and v themselves (no padded or repeated copies, no ring attention), or eager attention
+    without grouped key/value heads (``Builder._eager_attention``: its matmuls save q, k, v themselves;
+    with them ``repeat_kv``'s copies, and the rotated k and v live until the attention returns)."""
     if B.p.amp or k.liger or k.qk_norm or k.kv_cache or not _plain_hf_norm(B) or B.ring > 1:
         return False
+    if backend == "eager":                                         # ``matmul(q, k^T)`` saves q, k and v
+        return heads == kvh                                       # themselves without repeat_kv's copies
     if backend not in ("flash", "efficient", "cudnn") or (backend == "flash" and k.head_dim % 8):
         return False
     return heads == kvh or not (B.repeat_kv or sdpa_repeats_kv(heads, kvh, k.head_dim))
@@ -1788,9 +1792,9 @@ def _llama_rotary_group(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) -> 
     """``LlamaAttention.forward``'s projections and rotary embedding in op order (``Recipe.forward_group``;
     transformers 5.24.0 ``models/llama/modeling_llama.py`` L119-148 ``rotate_half``,
     ``apply_rotary_pos_emb``, and the attention's forward), saving ``v_proj``'s output (``vv``) and the
-    rotated ``qq``, ``kk``, which the fused SDPA kernel saves next (``Builder._fused_attention``; saved
-    again there, in place). In the compute dtype (no autocast: ``cos``/``sin`` are cast to the hidden
-    states' dtype by ``LlamaRotaryEmbedding.forward``): ``q_proj``'s and ``k_proj``'s outputs (held as
+    rotated ``qq``, ``kk``, which the attention saves next (``Builder._fused_attention``,
+    ``_eager_attention``; saved again there, in place). In the compute dtype (no autocast: ``cos``/``sin``
+    are cast to the hidden states' dtype by ``LlamaRotaryEmbedding.forward``): ``q_proj``'s and ``k_proj``'s outputs (held as
     ``query_states``/``key_states`` until ``apply_rotary_pos_emb`` returns and rebinds them); per q
     then k: ``q * cos``, ``-x2`` (half of q's width, freed once ``torch.cat`` has run), the ``cat``
     (freed once multiplied), ``rotate_half(q) * sin``, their sum (the rotated tensor, saved), then
