@@ -6,7 +6,8 @@ the projections' outputs (``layers._llama_norm_group``, ``layers._llama_rotary_g
 replay made only the saved tensors there (8 MiB, 8 KiB, 4 MiB x2 before the cuBLAS workspace where trace
 makes 8, 8 MiB, 8 KiB x3, 8, 4, 4, 4 MiB) and the norm's fp32 ``pow`` and product after the layer: a wide
 2-layer Llama b4 s512 pure bf16 was -8.6 % under trace's peak reserved memory, now -1.6 %
-(docs/agreement.md, reserved section, 2026-11-26 llamafwd)."""
+(docs/agreement.md, reserved section, 2026-11-26 llamafwd). Under autocast the norm alone (its output the
+linears' held input)."""
 from __future__ import annotations
 
 import pytest
@@ -54,4 +55,35 @@ def test_the_replay_asks_what_trace_asks(monkeypatch, precision):
     from trainmem.trace.api import trace
     tr = _layer_requests(monkeypatch, lambda: trace(WIDE, precision=precision, **KW))
     est = _layer_requests(monkeypatch, lambda: trainmem.estimate(WIDE, precision=precision, **KW))
+    assert est == tr
+
+
+def _norm_requests(monkeypatch, run) -> list[int]:
+    """Under autocast: the first layer's requests from its first norm's ``pow(2)`` to ``q_proj``'s half weight
+    copy (``h x h`` in bf16), inclusive."""
+    from alloc_spy import requests
+    log: list[int] = []
+    requests(monkeypatch, run, lambda n, _s: log.append(n))
+    first = log.index(4 * 512 * 4) - 1
+    return log[first:log.index(WIDE["hidden_size"] ** 2 * 2, first) + 1]
+
+
+def test_the_norm_under_autocast_in_op_order(monkeypatch):
+    """bf16-amp (an fp32 residual stream): the norm's ops in fp32, its fp32 output made as the linears'
+    held input before ``q_proj``'s half cast of it and the weight's copy (``layers._llama_norm_group``)."""
+    import trainmem
+    tok, h = 4 * 512, WIDE["hidden_size"]
+    f32, row = tok * h * 4, tok * 4
+    want = [f32, row, row, row, f32, f32, tok * h * 2, h * h * 2]  # pow .. product, output, its cast, weight's
+    assert _norm_requests(monkeypatch, lambda: trainmem.estimate(WIDE, precision="bf16-amp", **KW)) == want
+
+
+@pytest.mark.slow
+def test_the_norm_under_autocast_asks_what_trace_asks(monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import trainmem
+    from trainmem.trace.api import trace
+    tr = _norm_requests(monkeypatch, lambda: trace(WIDE, precision="bf16-amp", **KW))
+    est = _norm_requests(monkeypatch, lambda: trainmem.estimate(WIDE, precision="bf16-amp", **KW))
     assert est == tr

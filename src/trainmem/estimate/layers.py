@@ -1723,9 +1723,9 @@ def _llama_norm(B: Builder, x: T, name: str, gathered: float) -> T:
     """A Llama decoder layer's RMSNorm and its output (``src``: what the next linears read, (b, s, h) or the
     gathered sequence under SP), saved here without autocast by a trainable linear (``Builder.linear``:
     no per-call casts; frozen linears save none). Where the norm is transformers' own in Python ops with a
-    trainable weight and no autocast or SP (``_llama_norm_group``), in op order with its temporaries;
+    trainable weight and no SP (``_llama_norm_group``; under autocast on an fp32 stream), in op order;
     else ``Builder.rms_norm_hf`` (the same saved tensors, its temporaries freed at the layer's end)."""
-    if _plain_hf_norm(B) and gathered == x.tok and B.sp_div == 1 and not B.p.amp:
+    if _plain_hf_norm(B) and gathered == x.tok and B.sp_div == 1 and (not B.p.amp or x.nbytes == F32):
         return _llama_norm_group(B, x, name)
     a_in = B.rms_norm_hf(x, name)
     src = T(gathered, 0, a_in.nbytes, name + ".out")
@@ -1754,7 +1754,10 @@ def _llama_norm_group(B: Builder, x: T, name: str) -> T:
     the fp32 product itself, no copy, where it is fp32); ``self.weight * ...`` (the output, weight x
     input dtype promotion), then the frame's ``variance`` and fp32 product are freed. Trace, a 2-layer
     Llama (h 1024) b4 s512 pure bf16 asks 8 MiB, 8 MiB, 8 KiB x3, 8 MiB, 4 MiB, 4 MiB; the replay
-    had asked 8 MiB, 8 KiB, 4 MiB x2 and made ``pow``'s and the product's 8 MiB after the layer."""
+    had asked 8 MiB, 8 KiB, 4 MiB x2 and made ``pow``'s and the product's 8 MiB after the layer. Under
+    autocast (an fp32 residual stream: fp32 weight and ops, which autocast leaves alone) as in fp32, but
+    the output is not saved: the linears save their half casts of it, and ``_saved_and_casts`` makes it
+    as their held input (``layers.linear_inputs``), the "g" temporary freed once it exists."""
     half = x.nbytes != F32                                        # the input's dtype: bf16/fp16 or fp32
     x32 = T(x.tok, 0, F32, name)                                  # x.to(float32): (b, s, h) fp32
     temps = [T(x.tok, 0, F32, name + ".pow"), T(1, 0, F32, name + ".variance"),  # (b, s, h), (b, s, 1)
@@ -1766,6 +1769,10 @@ def _llama_norm_group(B: Builder, x: T, name: str) -> T:
     if half:
         temps.append(T(x.tok, 0, F32, name + ".normed32"))        # hidden * rsqrt: (b, s, h) fp32
         events = ["s", "t", "t", "f0", "t", "s", "f2", "t", "s", "s", "f1", "f3"]
+    elif B.p.amp:                                                 # autocast: fp32 as below, but the output is
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "g1"]  # the linears' unsaved input (their half casts)
+        B.r.forward_group(temps, events, x32, stats, normed)     # ``variance`` freed once it exists
+        return out
     else:                                                         # fp32: .to(fp32) is the product itself
         events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "s", "f1"]
     B.r.forward_group(temps, events, x32, stats, normed, out)
