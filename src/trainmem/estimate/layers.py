@@ -1714,11 +1714,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     ``LinearWithGradAccumulationAndAsyncCommunication.forward``: ``ctx.save_for_backward(input,
     weight)`` before the all-gather into its global buffer)."""
     pol, half = B.p, B.p.half
-    a_in = B.rms_norm_hf(x, "input_layernorm")
     gathered = h if k.sp_gathered else h / sp_div  # what the column-parallel linears get (and save)
-    src = T(gathered, 0, a_in.nbytes, "input_layernorm.out")
-    if not pol.amp and not B.frozen:
-        B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
+    src = _llama_norm(B, x, "input_layernorm", gathered)  # shared input of q/k/v
     B.outer_live = (src,)  # the decoder layer's ``hidden_states`` while ``self_attn`` runs
     proj = {}
     for name, width, out, rows in (("q_proj", q, "attn.q", heads), ("k_proj", kv, "attn.k", kvh),
@@ -1737,14 +1734,13 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
             # half, or fp32 from a 4-bit linear under autocast (Builder.frozen_linear), not rotary's fp32 cos/sin
             k = dataclasses.replace(k, rotary_keys_half=proj["k_proj"].nbytes != F32)
         _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, shares), _cache_tensors(k, pol, kk, vv, kv, True))
+    if _rotary_in_order(B, k, backend, heads, kvh):
+        _llama_rotary_group(B, proj["q_proj"], proj["k_proj"], qq, kk, vv)
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)
     B.linear(ctx, h, "o_proj", "o_proj.input")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
-    m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
-    src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
-    if not pol.amp and not B.frozen:
-        B.r.save(src2)
+    src2 = _llama_norm(B, x2, "post_attention_layernorm", gathered)
     # ``hidden_states`` while ``self.mlp`` runs (LlamaMLP's ``x``), and ``residual``, which the norm
     # saved as its fp32 cast where it is half (an fp32 one is the tensor the norm saved)
     B.outer_live = (src2,) if x2.nbytes == F32 else (src2, x2)
@@ -1759,6 +1755,105 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
     B.outer_live = ()
+
+
+def _llama_norm(B: Builder, x: T, name: str, gathered: float) -> T:
+    """A Llama decoder layer's RMSNorm and its output (``src``: what the next linears read, (b, s, h) or the
+    gathered sequence under SP), saved here without autocast by a trainable linear (``Builder.linear``:
+    no per-call casts; frozen linears save none). Where the norm is transformers' own in Python ops with a
+    trainable weight and no SP (``_llama_norm_group``; under autocast on an fp32 stream), in op order;
+    else ``Builder.rms_norm_hf`` (the same saved tensors, its temporaries freed at the layer's end)."""
+    if _plain_hf_norm(B) and gathered == x.tok and B.sp_div == 1 and (not B.p.amp or x.nbytes == F32):
+        return _llama_norm_group(B, x, name)
+    a_in = B.rms_norm_hf(x, name)
+    src = T(gathered, 0, a_in.nbytes, name + ".out")
+    if not B.p.amp and not B.frozen:
+        B.r.save(src)
+    return src
+
+
+def _plain_hf_norm(B: Builder) -> bool:
+    """Whether ``Builder.rms_norm_hf`` is transformers' ``LlamaRMSNorm`` as written (no Liger kernel,
+    input-dtype or torchtune variant) with a trainable weight and no LoRA (whose first-layer saves
+    ``grad_starts`` tracks)."""
+    return not (B.liger or B.rms_input or B.norm_fp32_product or B.frozen or B.base_trains or B.lora)
+
+
+def _llama_norm_group(B: Builder, x: T, name: str) -> T:
+    """transformers 5.24.0 ``LlamaRMSNorm.forward`` (``models/llama/modeling_llama.py`` L62-67) without
+    autocast, in op order (``Recipe.forward_group``) with the tensors ``rms_norm_hf`` saves, then its
+    output, which the q/k/v or gate/up linears save. Per token: ``hidden_states.to(torch.float32)``
+    (fp32, saved by ``pow`` and the multiply; the input itself when it is fp32, counted as
+    ``rms_norm_hf`` counts it); ``pow(2)`` (fp32, temporary: freed once ``mean`` has reduced it);
+    ``mean(-1, keepdim=True)`` (``variance``, fp32 per row, held by the frame until the return);
+    ``variance + eps`` (fp32 per row, freed once ``rsqrt`` has run); ``rsqrt`` (fp32 per row, saved);
+    ``hidden_states * rsqrt`` (fp32, rebinds ``hidden_states``: held until the return); its
+    ``.to(input_dtype)`` (a new half tensor where the input is half, saved by the weight's multiply;
+    the fp32 product itself, no copy, where it is fp32); ``self.weight * ...`` (the output, weight x
+    input dtype promotion), then the frame's ``variance`` and fp32 product are freed. Trace, a 2-layer
+    Llama (h 1024) b4 s512 pure bf16 asks 8 MiB, 8 MiB, 8 KiB x3, 8 MiB, 4 MiB, 4 MiB; the replay
+    had asked 8 MiB, 8 KiB, 4 MiB x2 and made ``pow``'s and the product's 8 MiB after the layer. Under
+    autocast (an fp32 residual stream: fp32 weight and ops, which autocast leaves alone) as in fp32, but
+    the output is not saved: the linears save their half casts of it, and ``_saved_and_casts`` makes it
+    as their held input (``layers.linear_inputs``), the "g" temporary freed once it exists."""
+    half = x.nbytes != F32                                        # the input's dtype: bf16/fp16 or fp32
+    x32 = T(x.tok, 0, F32, name)                                  # x.to(float32): (b, s, h) fp32
+    temps = [T(x.tok, 0, F32, name + ".pow"), T(1, 0, F32, name + ".variance"),  # (b, s, h), (b, s, 1)
+             T(1, 0, F32, name + ".eps")]                                         # (b, s, 1) fp32
+    stats = T(1, 0, F32, name + ".stats")                         # rsqrt: (b, s, 1) fp32, saved
+    normed = T(x.tok, 0, x.nbytes, name)                          # .to(input_dtype): saved by weight * ...
+    out = T(x.tok, 0, max(B.p.weight, x.nbytes), name + ".out")   # the norm's output: (b, s, h)
+    B.r.input_saved |= not half and x is B.layer_input
+    if half:
+        temps.append(T(x.tok, 0, F32, name + ".normed32"))        # hidden * rsqrt: (b, s, h) fp32
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "t", "s", "s", "f1", "f3"]
+    elif B.p.amp:                                                 # autocast: fp32 as below, but the output is
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "g1"]  # the linears' unsaved input (their half casts)
+        B.r.forward_group(temps, events, x32, stats, normed)     # ``variance`` freed once it exists
+        return out
+    else:                                                         # fp32: .to(fp32) is the product itself
+        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "s", "f1"]
+    B.r.forward_group(temps, events, x32, stats, normed, out)
+    return out
+
+
+def _rotary_in_order(B: Builder, k: LayerKey, backend: str, heads: float, kvh: float) -> bool:
+    """Whether ``_llama_rotary_group`` writes the rotary embedding's tensors: transformers' own
+    ``apply_rotary_pos_emb`` (no Liger RoPE, no Qwen3 q/k norms, no KV cache) without autocast (whose
+    fp32 ``cos``/``sin`` make fp32 products) or LoRA, before a fused SDPA kernel that saves the rotated
+    q and k and v themselves (no padded or repeated copies, no ring attention), or eager attention
+    without grouped key/value heads (``Builder._eager_attention``: its matmuls save q, k, v themselves;
+    with them ``repeat_kv``'s copies, and the rotated k and v live until the attention returns)."""
+    if B.p.amp or k.liger or k.qk_norm or k.kv_cache or not _plain_hf_norm(B) or B.ring > 1:
+        return False
+    if backend == "eager":                                         # ``matmul(q, k^T)`` saves q, k and v
+        return heads == kvh                                       # themselves without repeat_kv's copies
+    if backend not in ("flash", "efficient", "cudnn") or (backend == "flash" and k.head_dim % 8):
+        return False
+    return heads == kvh or not (B.repeat_kv or sdpa_repeats_kv(heads, kvh, k.head_dim))
+
+
+def _llama_rotary_group(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) -> None:
+    """``LlamaAttention.forward``'s projections and rotary embedding in op order (``Recipe.forward_group``;
+    transformers 5.24.0 ``models/llama/modeling_llama.py`` L119-148 ``rotate_half``,
+    ``apply_rotary_pos_emb``, and the attention's forward), saving ``v_proj``'s output (``vv``) and the
+    rotated ``qq``, ``kk``, which the attention saves next (``Builder._fused_attention``,
+    ``_eager_attention``; saved again there, in place). In the compute dtype (no autocast: ``cos``/``sin``
+    are cast to the hidden states' dtype by ``LlamaRotaryEmbedding.forward``): ``q_proj``'s and ``k_proj``'s outputs (held as
+    ``query_states``/``key_states`` until ``apply_rotary_pos_emb`` returns and rebinds them); per q
+    then k: ``q * cos``, ``-x2`` (half of q's width, freed once ``torch.cat`` has run), the ``cat``
+    (freed once multiplied), ``rotate_half(q) * sin``, their sum (the rotated tensor, saved), then
+    both products freed. ``mul`` by a ``cos``/``sin`` that needs no gradient saves only them. Trace, a
+    2-layer Llama (h 1024) b4 s512 pure bf16: ``q_proj`` 4 MiB, the cuBLAS workspace, ``k_proj``,
+    ``v_proj`` 4 MiB, then 4, 2, 4, 4, 4 MiB twice (the replay makes the workspace before ``q_proj``'s
+    output: ``_saved_and_casts`` places it after the saved tensors before the first linear)."""
+    temps = [q_out, k_out]                                        # (b, s, q), (b, s, kv) in the compute dtype
+    events = ["t", "t", "s"]                                      # q_proj, k_proj, v_proj (saved) outputs
+    for base, x in ((2, q_out), (6, k_out)):
+        temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
+                  T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin")]     # cat, cat*sin
+        events += ["t", "t", "t", f"f{base + 1}", "t", f"f{base + 2}", "s", f"f{base}", f"f{base + 3}"]
+    B.r.forward_group(temps, events + ["f0", "f1"], vv, qq, kk)
 
 
 def _unsloth_dequant(B: Builder, w: float) -> float:
