@@ -405,7 +405,10 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     return _at_ratio(key(m, t), doc, *decoder_ratio(m, t))
 
 
+@lru_cache(maxsize=1024)
 def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    """``_coefficients`` of ``m`` under ``t``, remembered per (m, t): its arguments (keys, the canonical
+    spec: a ``dataclasses.replace`` that re-runs ``TrainingSpec``'s checks) are pure functions of them."""
     one = batch1(m, t)
     return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "",
                          tuple((v, key(m, t, version=v)) for v in PREVIOUS_VERSIONS))
