@@ -419,6 +419,11 @@ def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     return _LOOKUPS.get_or_build((id(m), id(t)), lambda: (m, t, _lookup_new(m, t)))[2]
 
 
+def clear_lookups() -> None:
+    """Forget ``_lookup``'s memo (``quantities.build.clear_cache``: the engine's caches cleared together)."""
+    _LOOKUPS.clear()
+
+
 def _lookup_new(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     one = batch1(m, t)
     return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "",
