@@ -36,6 +36,7 @@ from ..spec.sequence_rules import fixed_sequence
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
                                 sdpa_ignores_softcap)
 from ..spec.training import TrainingSpec, fused_skipped, without_cache
+from .cache import BoundedCache
 from .layers import LayerCoefs
 
 COEF_VERSION = 19  # (quantized setups have keys of their own: ``key``)
@@ -405,7 +406,25 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     return _at_ratio(key(m, t), doc, *decoder_ratio(m, t))
 
 
+#: ``_lookup``'s answers by the identity of its two specs, each entry holding them (so their ids are not
+#: reused while it lives): the same specs estimated again (a sweep run twice, the planner's repeated calls)
+#: skip the keys and the canonical spec (a ``dataclasses.replace`` that re-runs ``TrainingSpec``'s checks).
+#: Not by equality: ModelSpec's leaves ``config`` out and the keys read it (``sliding_window``, ``scan_chunk``)
+_LOOKUPS = BoundedCache(1024)
+
+
 def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    """``_coefficients`` of ``m`` under ``t`` (remembered for these very specs: ``_LOOKUPS``)."""
+    # (an entry keeps its specs alive, so no other object has their ids while it is stored)
+    return _LOOKUPS.get_or_build((id(m), id(t)), lambda: (m, t, _lookup_new(m, t)))[2]
+
+
+def clear_lookups() -> None:
+    """Forget ``_lookup``'s memo (``quantities.build.clear_cache``: the engine's caches cleared together)."""
+    _LOOKUPS.clear()
+
+
+def _lookup_new(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     one = batch1(m, t)
     return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "",
                          tuple((v, key(m, t, version=v)) for v in PREVIOUS_VERSIONS))

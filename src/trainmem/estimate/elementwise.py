@@ -17,7 +17,10 @@ NEVER = -(1 << 62)  # the value of a moment that does not happen (never the larg
 
 
 def is_array(*xs: Any) -> bool:
-    return any(isinstance(x, np.ndarray) for x in xs)
+    for x in xs:  # (a loop, not ``any()`` over a generator: the engine calls this thousands of times per estimate)
+        if isinstance(x, np.ndarray):
+            return True
+    return False
 
 
 def where(cond: Any, a: Any, b: Any) -> Any:
@@ -28,13 +31,13 @@ def where(cond: Any, a: Any, b: Any) -> Any:
 
 
 def maximum(a: Any, b: Any) -> Any:
-    if is_array(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.maximum(a, b)
     return a if a >= b else b
 
 
 def minimum(a: Any, b: Any) -> Any:
-    if is_array(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.minimum(a, b)
     return a if a <= b else b
 

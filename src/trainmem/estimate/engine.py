@@ -143,7 +143,9 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     b, ga = t.batch_size, t.grad_accum
     n = b * (t.seq_len // t.cp)      # tokens on this rank
     nsq = n * t.seq_len              # token x key pairs (context parallelism sees every key)
-    tk, tk_later = tokens(q, flags, n, nsq, b, ga), tokens(q, flags, n, nsq, b, ga, later=True)
+    tk = tokens(q, flags, n, nsq, b, ga)
+    # (the micro-steps after the first: none without accumulation, whose walk has one micro-step)
+    tk_later = tokens(q, flags, n, nsq, b, ga, later=True) if ga > 1 else tk
     after = later_tokens(m, t, stage, flags)
     kept = kept_buffers(m, t, stage, n, nsq, capability)  # Megatron's and TE's, from the first forward on
     # Megatron's pipeline inputs and (0.18) the step's batches, after backward

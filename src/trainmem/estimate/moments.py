@@ -1121,11 +1121,12 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
 #: their name and the layer's index counted from the top (1: the second from the top, ``layers - 2``: the
 #: second from the bottom) and the fewest layers for which that moment differs from those before it
 MIDDLE = (("layer.below_top", 1, 3), ("layer.above_bottom", -2, 4))
+_MIDDLE_K = {name: k for name, k, _n in MIDDLE}  # (built once: ``middle_index`` runs in every estimate)
 
 
 def middle_index(where_: str, layers: Any) -> Any:
     """The index (from the bottom, 0-based) of the layer a ``MIDDLE`` moment is at, for ``layers`` layers."""
-    k = dict((name, k) for name, k, _n in MIDDLE)[where_]
+    k = _MIDDLE_K[where_]
     return layers - 1 - k if k > 0 else -k - 1
 
 
@@ -1356,6 +1357,8 @@ def _add_kept_buckets(q: Quantities, moments: list, ends: list, start: int, star
 
 def _either(a: Any, b: Any) -> Any:
     """``a or b`` for bools or bool arrays."""
+    if type(a) is bool and type(b) is bool:  # (the scalar engine's usual case, checked first)
+        return a or b
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.logical_or(a, b)
     return bool(a) or bool(b)
@@ -1363,6 +1366,8 @@ def _either(a: Any, b: Any) -> Any:
 
 def _both(a: Any, b: Any) -> Any:
     """``a and b`` for bools or bool arrays."""
+    if type(a) is bool and type(b) is bool:  # (the scalar engine's usual case, checked first)
+        return a and b
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.logical_and(a, b)
     return bool(a) and bool(b)

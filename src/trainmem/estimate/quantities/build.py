@@ -18,7 +18,7 @@ from ..derived import (batch1 as derived_batch1, decoder_embedding_activations, 
                        head_forward as derived_head_forward, moment_activations, outer as derived_outer,
                        outer_const as derived_outer_const, outer_per_sample as derived_outer_per_sample,
                        outer_ssq as derived_outer_ssq, point_at, regime as derived_regime,
-                       top_forward as derived_top_forward)
+                       top_forward as derived_top_forward, clear_lookups)
 from ..gemini import model_gemini
 from ..layers import LayerCoefs, Policy
 from ..states import States, block_bytes, fsdp_grad_op, model_states, torch_pipeline
@@ -168,6 +168,7 @@ def clear_cache() -> None:
     _CACHE.clear()
     _SHAPES.clear()
     model_states.cache_clear()
+    clear_lookups()
 
 
 def _head_dequant_fields(m: ModelSpec, t: TrainingSpec, head_here: bool) -> dict[str, int]:
