@@ -35,3 +35,10 @@ def segments(monkeypatch, run: Callable[[], Any], note: Callable[[Any, int], Non
     with monkeypatch.context() as m:
         m.setattr(allocator.CachingAllocator, "_device_alloc", spy)
         return run()
+
+
+def large_requests(monkeypatch, run: Callable[[], Any], at_least: int) -> list[int]:
+    """The bytes of every request of ``at_least`` bytes and over, in order, while ``run()`` runs."""
+    seen: list[int] = []
+    requests(monkeypatch, run, lambda nbytes, _stream: seen.append(int(nbytes)) if nbytes >= at_least else None)
+    return seen

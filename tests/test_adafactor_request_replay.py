@@ -31,13 +31,7 @@ BIG = 10 * 2**20
 
 def _large_requests(monkeypatch, run) -> list[int]:
     """The bytes of every request of 10 MiB and over, in order, while ``run()`` runs."""
-    seen: list[int] = []
-
-    def note(nbytes, stream):
-        if nbytes >= BIG:
-            seen.append(int(nbytes))
-    alloc_spy.requests(monkeypatch, run, note)
-    return seen
+    return alloc_spy.large_requests(monkeypatch, run, BIG)
 
 
 def test_adafactor_requests_are_traces(monkeypatch, one_torch_thread):
@@ -51,15 +45,11 @@ def test_adafactor_requests_are_traces(monkeypatch, one_torch_thread):
 
 def test_block_requests_would_differ(monkeypatch, one_torch_thread):
     """The mechanism bites: asking for the blocks instead makes the replay request 126 MiB."""
-    seen: list[int] = []
-
-    def note(nbytes, stream):
-        if nbytes >= BIG:
-            seen.append(int(nbytes))
     from trainmem.spec import TrainingSpec, resolve_model
     m, t = resolve_model(MISTRAL), TrainingSpec(**KW)
-    alloc_spy.requests(monkeypatch, lambda: estimate_patched(
-        monkeypatch, m, t, [(optimizer, "_fp32_request", lambda st, j, block: block)]), note)
+    blocks = lambda R, st, j, f: (lambda: R.alloc(f, charge=f))   # noqa: E731 (each temporary at its block)
+    seen = _large_requests(monkeypatch, lambda: estimate_patched(monkeypatch, m, t,
+                                                                 [(optimizer, "_fp32_request", blocks)]))
     assert 126 * 2**20 in seen and 125 * 2**20 not in seen
 
 

@@ -28,13 +28,7 @@ BIG = 100 * 2**20
 
 def _large_requests(monkeypatch, run) -> list[int]:
     """The bytes of every request of 100 MiB and over, in order, while ``run()`` runs."""
-    seen: list[int] = []
-
-    def note(nbytes, stream):
-        if nbytes >= BIG:
-            seen.append(int(nbytes))
-    alloc_spy.requests(monkeypatch, run, note)
-    return seen
+    return alloc_spy.large_requests(monkeypatch, run, BIG)
 
 
 def test_step_requests_are_sizes_trace_asks(monkeypatch, one_torch_thread):
