@@ -67,6 +67,8 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0, top: int 
     is made (by the caller where the head side is one block)."""
     sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
     rest = int(tk.outer_head) - capped - sum(x for x, held in sizes if held == HEAD_SAVED)
+    if -int(tk.tokens) <= rest < 0:  # a derived head's fitted bytes per token a hair under the exact sum
+        rest = 0                      # (8195.99999 x tokens, truncated): within the byte per token it is checked to
     if not sizes or rest < 0:
         side = [R.alloc(int(tk.outer_head) - capped, one=False)]
         R.free(top)
