@@ -255,6 +255,11 @@ def test_catalogue_has_at_least_45_entries_over_15_types():
     assert len(names) >= 45 and len(types) >= 15
 
 
+#: bytes per token an encoder-decoder's re-derived coefficients may differ by from the shipped ones
+#: (float64 round-off of its scaled least squares, ``test_shipped_coefficients_are_current``)
+ENCDEC_ROUNDOFF = 1e-4
+
+
 def _default_size(m) -> dict:
     """The default setup's size options: an image model's sequence comes from its image size."""
     return {} if m.is_image or m.is_speech_seq2seq else {"seq_len": min(2048, m.max_positions)}
@@ -271,17 +276,20 @@ def test_shipped_coefficients_are_current(name):
     assert shipped is not None
     fresh = derive_coefficients(r.model, derived._canonical(r.training, r.model), derived.regime(r.model, r.training))
     if "terms" in fresh:  # an encoder-decoder's, fitted in its two lengths: compared at two ratios
+        # (its least squares is column-scaled over terms from 1 to 10^11, ``derive._lstsq``: the float64
+        # round-off of the read-back values depends on the machine's LAPACK, 1.6e-6 bytes per token on
+        # one CI machine for T5's; a stale set differs by whole bytes)
         for ratio in (1.0, 0.25):
             shipped_at, fresh_at = derived.at_lengths(shipped, ratio), derived.at_lengths(fresh, ratio)
             for kind, v in fresh_at["kinds"].items():
                 assert shipped_at["kinds"][kind]["tok"] == pytest.approx(v["tok"], rel=1e-9)
                 flat = [x for tr in v["transients"] for x in tr]
                 assert [x for tr in shipped_at["kinds"][kind]["transients"] for x in tr] == \
-                    pytest.approx(flat, rel=1e-9, abs=1e-6)
-            assert shipped_at["embed"] == pytest.approx(fresh_at["embed"], rel=1e-9, abs=1e-6)
-            assert shipped_at["ssq"] == pytest.approx(fresh_at["ssq"], rel=1e-9, abs=1e-6)
+                    pytest.approx(flat, rel=1e-9, abs=ENCDEC_ROUNDOFF)
+            assert shipped_at["embed"] == pytest.approx(fresh_at["embed"], rel=1e-9, abs=ENCDEC_ROUNDOFF)
+            assert shipped_at["ssq"] == pytest.approx(fresh_at["ssq"], rel=1e-9, abs=ENCDEC_ROUNDOFF)
             for name, base in fresh_at["moment_base"].items():
-                assert shipped_at["moment_base"][name] == pytest.approx(base, rel=1e-9, abs=1e-6)
+                assert shipped_at["moment_base"][name] == pytest.approx(base, rel=1e-9, abs=ENCDEC_ROUNDOFF)
         assert shipped.get("logits_bytes") == fresh.get("logits_bytes")
         return
     for kind, v in fresh["kinds"].items():
