@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -795,6 +797,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true",
                     help="write the sampled grid's summary to docs/agreement.md and its rows to docs/agreement_grid.json")
     a = ap.parse_args(argv)
+    if a.write and "TRAINMEM_CACHE" not in os.environ:
+        # derived models' coefficients fitted now, by this code: a user cache holds sets an earlier
+        # version fitted under the same COEF_VERSION (float noise, or a change that did not bump it), and
+        # the stored rows must be what a fresh installation estimates (the 2026-11-26 grid's Qwen3 ZeRO-2
+        # row read -0.06 % from an older cache, +22.91 % fresh, before 68d86750)
+        os.environ["TRAINMEM_CACHE"] = tempfile.mkdtemp(prefix="trainmem-grid-")
     t0 = time.perf_counter()
     if a.quick or a.classic:
         setups = list(QUICK) if a.quick else grid()
