@@ -251,7 +251,6 @@ def _bottom_input(R: _Replay, q: Quantities, parts: Any, tk: Tokens, recompute: 
     return inp
 
 
-
 def _checkpoint_input(q: Quantities, parts: list[int], tk: Tokens, recompute: str) -> int:
     """Bytes of a checkpointed layer's kept input where ``_layers`` makes it before the bottom layer:
     under full recomputation or torchtitan's per-op policy when the first block the layer keeps is its
