@@ -2185,7 +2185,7 @@ def _llama_rotary_cached_eager(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv:
     the cache's copies of the rotated k and of ``v_proj``'s output (``kk``, ``vv``) are saved by nothing
     (the matmuls save ``repeat_kv``'s copies of them, ``Builder._eager_attention``) but held by the cache,
     which the model output references ("cK": ``reserved.layer_forward._group_allocs``, freed with the output,
-    ``_Replay.out_refs``; ``Recipe.hold`` in the recipe, ``_hold_cache``), and the rotated q is a local of
+    ``_LayerCarry.out_refs``; ``Recipe.hold`` in the recipe, ``_hold_cache``), and the rotated q is a local of
     ``LlamaAttention.forward`` held until it returns after ``o_proj`` ("hK", as ``_llama_rotary_held``): matmul
     saves its own reshaped copy. Trace, the wide Llama with 4 of 16 key/value heads, eager, pure bf16, a KV
     cache: after the rotary temporaries and the projections' outputs freed, two 1 MiB copies, the rotated k and

@@ -182,7 +182,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs, sum(map(R.a.block_size, body)))
-    out, R.out_refs = list(out) + R.out_refs, []                        # the output's KV cache (layer_forward "cK")
+    out, R.layer.out_refs = list(out) + R.layer.out_refs, []      # the output's KV cache (layer_forward "cK")
     fwd += body                                                   # the body's output, held until the loss returns
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
@@ -397,14 +397,14 @@ def _top_output(R: _Replay, q: Quantities, tk: Tokens, kept: list, recompute: st
                 top: int | None = None) -> int | None:
     """The top layer's output for the final norm (``loss_forward._head_side``) or the stage's output
     (``_stage_output``): on a fed stage taken out of what that layer keeps (``_fed_top_output``), else as the
-    layer's forward made it (``layer_forward._resid_tail``, ``_Replay.resid``), or ``top``, where the
+    layer's forward made it (``layer_forward._resid_tail``, ``_LayerCarry.resid``), or ``top``, where the
     checkpoints keep their inputs (``_layers``' ``below``); None where none. Without
     the head (a pipeline stage's forward) no model output references the layers' KV cache tensors
-    (``_Replay.out_refs``): freed here."""
+    (``_LayerCarry.out_refs``): freed here."""
     top = top if top is not None else _fed_top_output(R, q, tk, kept, recompute)
-    top, R.resid = R.resid if R.resid is not None else top, None
+    top, R.layer.resid = R.layer.resid if R.layer.resid is not None else top, None
     if not head:
-        R.out_refs = R.frees(R.out_refs) or []
+        R.layer.out_refs = R.frees(R.layer.out_refs) or []
     return top
 
 

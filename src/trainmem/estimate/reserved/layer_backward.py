@@ -75,8 +75,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     unsharded = _fsdp2_unsharded(st, fs)                          # FSDP2's gradients, by tensor
     recorded = _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full))
     if recorded or not (per_linear and _by_op(q, parts, recompute, flat1)):  # not op by op: its moments count
-        R.free(R.resid_grad)                                      # the incoming gradient (the final norm's,
-        R.resid_grad = None                                       # ``loss_backward._final_norm_backward``)
+        R.free(R.layer.resid_grad)                                # the incoming gradient (the final norm's,
+        R.layer.resid_grad = None                                 # ``loss_backward._final_norm_backward``)
     if recorded:                                                  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
@@ -206,7 +206,7 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
         else:
             groups.append([m])
             starts.append(i)
-    resid, R.resid_grad = R.resid_grad, None                      # made by the final norm's backward, or
+    resid, R.layer.resid_grad = R.layer.resid_grad, None          # made by the final norm's backward, or
     if resid is None and lc.resid_grad:                           # (b, s, h), the stream's dtype, made here
         resid = R.alloc(int(lc.resid_grad * n))
     ctx = (kept, n, lambda j, e: _group_grad(R, s, q, (j, copies, pending, made), oib, e), [], [])
