@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...allocator_rules import SMALL_SIZE
+from ..group_events import Fwd, index
 from ..layers import HALF
 from ..moments import Tokens
 from ..quantities import Quantities
@@ -566,7 +567,7 @@ def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: 
                   ends: tuple = (None, None)) -> list:
     """One group of forward temporaries (``at``, bytes, events) made and freed among the saved tensors
     from ``parts[at]`` on, in op order where the layer's recipe writes them (``layers.Builder._eager_forward``,
-    ``Recipe.forward_group``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
+    ``Recipe.forward_group``, codes ``group_events.Fwd``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
     tensor, "gK" hands the K-th to ``after``, "eK" to ``end``, "nK" to ``later``, which the caller frees
     once it has made the next saved tensor (BERT's branch dropout output, ``layers._bert_branch_end``);
     "cK" to ``_LayerCarry.out_refs``, what the model output references (its KV cache: ``driver._forward`` frees it
@@ -584,37 +585,37 @@ def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: 
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made, nxt = 0, at
     for e in events:
-        if e == "t":
+        if e == Fwd.TEMP:
             live[made] = R.alloc(temps[made])                     # (b, heads, s, s); experts' (S, h), (S, f), (T, h)
             made += 1
-        elif e == "s":
+        elif e == Fwd.SAVED:
             handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy; experts' rows...
             nxt += 1
-        elif e == "i":                                            # the layer's input, saved: the layer
+        elif e == Fwd.INPUT:                                      # the layer's input, saved: the layer
             handles.append(_layer_input(R) or R.alloc(parts[nxt], one=one))  # below's output, else made
             nxt += 1
-        elif e[0] == "h":                                         # held past the group: freed at the next "H"
-            R.layer.attn_held.append(live.pop(int(e[1:]), None))
-        elif e[0] == "c":                                         # referenced by the model output (its KV
-            R.layer.out_refs.append(live.pop(int(e[1:]), None))   # cache): freed with it (``driver._forward``)
-        elif e == "H":                                            # (``layers._llama_rotary_held``)
+        elif e[0] == Fwd.HOLD:                                    # held past the group: freed at the next "H"
+            R.layer.attn_held.append(live.pop(index(e), None))
+        elif e[0] == Fwd.OUT_REF:                                 # referenced by the model output (its KV
+            R.layer.out_refs.append(live.pop(index(e), None))     # cache): freed with it (``driver._forward``)
+        elif e == Fwd.DROP_HELD:                                  # (``layers._llama_rotary_held``)
             R.frees(R.layer.attn_held)
             R.layer.attn_held.clear()
-        elif e == "w":                                            # the first matmul's cuBLAS workspace,
+        elif e == Fwd.WORKSPACE:                                  # the first matmul's cuBLAS workspace,
             ws, R.layer.ws_here = R.layer.ws_here, None           # after its output (``_saved_and_casts``)
             if ws is not None:
                 ws()
-        elif e == "j":                                            # ... unsaved: the layer below's output
+        elif e == Fwd.INPUT_TEMP:                                 # ... unsaved: the layer below's output
             R.layer.resid_in.append(_layer_input(R))              # (the first layer's: the embeddings'),
             made += 1                                             # freed after the layer's hooks
-        elif e[0] == "g" and after is not None:
-            after.append(live.pop(int(e[1:]), None))
-        elif e[0] == "e" and end is not None:
-            end.append(live.pop(int(e[1:]), None))
-        elif e[0] == "n" and later is not None:
-            later.append(live.pop(int(e[1:]), None))
-        else:
-            R.free(live.pop(int(e[1:]), None))
+        elif e[0] == Fwd.AFTER and after is not None:
+            after.append(live.pop(index(e), None))
+        elif e[0] == Fwd.END and end is not None:
+            end.append(live.pop(index(e), None))
+        elif e[0] == Fwd.NEXT_SAVED and later is not None:
+            later.append(live.pop(index(e), None))
+        else:                                                     # Fwd.FREE (and a hand-off without its list)
+            R.free(live.pop(index(e), None))
     R.frees(list(live.values()))
     return handles
 
@@ -629,7 +630,7 @@ def _group_workspace(R: _Replay, parts: Any, ws: Any) -> Any:
         if left is not None:
             left()
         return None
-    if any("w" in events for _at, _t, events in getattr(parts, "groups", [])):
+    if any(Fwd.WORKSPACE in events for _at, _t, events in getattr(parts, "groups", [])):
         R.layer.ws_here = ws
         return None
     return ws
@@ -637,7 +638,7 @@ def _group_workspace(R: _Replay, parts: Any, ws: Any) -> Any:
 
 def _group_saved(events: Any) -> int:
     """How many saved tensors a forward group makes (``_group_allocs``: "s", and "i", the layer's input)."""
-    return events.count("s") + events.count("i")
+    return events.count(Fwd.SAVED) + events.count(Fwd.INPUT)
 
 
 def _layer_input(R: _Replay) -> Any:
