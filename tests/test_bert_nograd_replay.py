@@ -78,7 +78,7 @@ def test_checkpointed_forward_opens_trace_segments(monkeypatch):
     logits (240 MiB blocks) the replay opens the segments trace opens (the 96 MiB scores twice, the
     24 MiB dropout mask once); with the layer's tensors made at once it opened 96, 24, 96, 20, 24
     and 24 MiB ones. With the bottom checkpoint's kept input (``driver._checkpoint_input``) this needs the
-    embeddings tensor by tensor (``driver._embeddings_saved``): made as one saved block and the kept
+    embeddings tensor by tensor (``driver._bert_embeddings_saved``): made as one saved block and the kept
     input, one 20 MiB segment more opened here and, in step 2, one 240 MiB logits segment fewer.
     Every segment of both steps is compared, the logits' too."""
     kw = dict(set=SET, batch_size=2, seq_len=1024, precision="fp32", attention="eager", recompute="full",
@@ -94,7 +94,7 @@ def test_embeddings_requested_tensor_by_tensor(monkeypatch, precision):
     the replay's eight requests of 1 MiB and more from the word embedding on are trace's, in order: word,
     token-type embeddings, their sum, the (1, s, h) position embeddings, the second sum, the LayerNorm's
     output, the dropout's output and its bool mask (``quantities.head_moments.bert_embeddings``,
-    ``driver._embeddings_saved``). Before, the replay asked one 7.5 MiB block (fp32) and the kept input.
+    ``driver._bert_embeddings_saved``). Before, the replay asked one 7.5 MiB block (fp32) and the kept input.
     (Then trace makes the query's output before the cuBLAS workspace, the replay after it: not compared.)"""
     from alloc_spy import requests
     kw = dict(set=SET, batch_size=2, seq_len=1024, precision=precision, attention="eager", recompute="full",

@@ -1,7 +1,7 @@
 """GPT-2 under full recomputation: its checkpointed first forward replayed tensor by tensor
 (``estimate/nograd.py`` ``gpt2_block``, ``reserved.layer_forward._nograd_forward``), with the embeddings'
 tensors and the first layer's input where transformers' ``GPT2Model`` makes them
-(``reserved.driver._bottom_input``).
+(``reserved.driver._gpt2_dropout_input``).
 
 Found on the agreement grid's GPT-2 FSDP1 row (b8 s256, pure bf16, dp 4, Adam, full recomputation):
 the replay made all of the layer's saved tensors at once (the MLP's five 12 MiB GELU tensors among

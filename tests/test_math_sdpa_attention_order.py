@@ -81,7 +81,7 @@ def test_equal_heads_on_the_cache_s_copies(monkeypatch, precision, batch):
 def test_the_cache_copies_are_held_with_the_output():
     """The KV cache's ``torch.cat`` copies live as long as the model's output (trace, the small model b2 s256
     bf16: the four freed together after the loss, before backward): the group hands them to the replay
-    ("cK", ``_Replay.out_refs``), which ``driver._forward`` frees with the output; they were freed with the
+    ("cK", ``_LayerCarry.out_refs``), which ``driver._forward`` frees with the output; they were freed with the
     rotated query at ``o_proj``."""
     from trainmem.estimate.quantities.build import quantities
     from trainmem.estimate.reserved.layer_forward import _group_allocs
@@ -94,7 +94,7 @@ def test_the_cache_copies_are_held_with_the_output():
     assert [temps[i] for i in held] == [(kv, 0), (kv, 0)]
     R = _Replay()
     _group_allocs(R, [1 << 20], (0, [1 << 20, 1 << 20], ("t", "c0", "t", "s", "f1")), True, None)
-    assert len(R.out_refs) == 1 and R.a.allocated >= 2 << 20             # the held copy and the saved tensor stay
+    assert len(R.layer.out_refs) == 1 and R.a.allocated >= 2 << 20             # the held copy and the saved tensor stay
 
 
 def test_no_cache_no_held_copies():

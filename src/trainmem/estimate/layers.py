@@ -24,6 +24,7 @@ from typing import Any
 
 from trainmem.errors import TrainmemError
 
+from .group_events import Bwd, Fwd, at, index
 from .nograd import NoGradLayer, NoGradSeq
 from .nograd import bert_layer as nograd_bert
 from .nograd import gpt2_block as nograd_gpt2
@@ -212,16 +213,16 @@ class Recipe:
 
     def forward_group(self, temps: list, events: list, *saved: T) -> None:
         """Save ``saved`` with forward temporaries ``temps`` made and freed among them in op order, for
-        the allocator replay (``reserved.layer_forward._attn_allocs``; ``LayerCoefs.fwd_groups``): "t"
-        makes the next temporary, "fK" frees the K-th, "s" makes the next of ``saved``, "gK" frees the
+        the allocator replay (``reserved.layer_forward._attn_allocs``; ``LayerCoefs.fwd_groups``; codes
+        ``group_events.Fwd``): "t" makes the next temporary, "fK" frees the K-th, "s" makes the next of ``saved``, "gK" frees the
         K-th once the tensor the caller makes next (the group's output) exists, "eK" once the layer's
         forward has returned (the replay: once the next layer's input exists, or where the layer makes
         its output, ``resid_tail``, then). The layer's input, made by the layer below (``_llama_norm_group``):
         "i" as the next of ``saved`` (its norm saves it), "j" as the next temporary (unsaved; the replay
         frees it once the layer's forward hooks have run); "cK" with the model's output (the KV cache's copies:
         ``_math_group``, ``_llama_rotary_cached_eager``), "hK" until the next "H" (``_llama_rotary_held``)."""
-        assert events.count("s") + events.count("i") == len(saved)
-        assert events.count("t") + events.count("j") == len(temps)
+        assert events.count(Fwd.SAVED) + events.count(Fwd.INPUT) == len(saved)
+        assert events.count(Fwd.TEMP) + events.count(Fwd.INPUT_TEMP) == len(temps)
         self.fwd_groups.append((len(self.saved), list(temps), list(events)))
         self.save(*saved)
 
@@ -230,19 +231,19 @@ class Recipe:
         caller saves next, one ``save`` at a time: the ops between them record their backward moments
         (``transient``) among the saves (``_moe_forward_events``: the grouped experts' ops). ``events_b1``:
         its events where the micro-batch is one sequence, if they differ (``_math_group``)."""
-        assert events.count("t") == len(temps)
+        assert events.count(Fwd.TEMP) == len(temps)
         extra = (list(events_b1),) if events_b1 is not None else ()
         self.fwd_groups.append((len(self.saved), list(temps), list(events)) + extra)
 
     def backward_group(self, base: int, temps: list, events: list, cover: int = 0) -> None:
         """An op's backward tensors in op order, for the allocator replay only (``_op_backward``; the
-        moments, ``transient``, are unchanged): "t" makes the next of ``temps``, "u" takes as the next the
+        moments, ``transient``, are unchanged; codes ``group_events.Bwd``): "t" makes the next of ``temps``, "u" takes as the next the
         block an earlier group carried ("cK": its K-th, kept past its end; made where none is), "fK" frees the K-th, "sK" releases the layer's saved tensor ``base + K``
         (``Node::release_variables`` once its node has run), "wK" makes linear K's weight gradient (its
         ``.grad``), "hK" its half one under autocast as the next block, "xK" frees its half weight copy. Its
         temporaries left at the end are freed. ``cover``: the group is the backward of the ops whose moments
         are the next ``cover`` transients, which the replay then leaves out (``_op_backward``)."""
-        assert sum(e in ("t", "u", "r") or e[0] == "h" for e in events) == len(temps)
+        assert sum(e in (Bwd.TEMP, Bwd.TAKE, Bwd.TAKE_STREAM) or e[0] == Bwd.HALF_GRAD for e in events) == len(temps)
         self.bwd_groups.append((len(self.transients), base, list(temps), list(events), cover))
 
     def hold(self, *ts: T, b1: tuple[T, ...] | None = None) -> None:
@@ -824,14 +825,15 @@ class Builder:
         copy = fp32_then_cast and c == HALF and not self.p.amp and not self.fp16  # bf16 -> fp32 copy
         r.attn_at = len(r.saved)                         # D is the next saved tensor
         r.attn_temps = [T(0, heads, half), T(0, heads, half), T(0, heads, c)] + ([T(0, heads, F32)] if copy else [])
-        ev = ["t", "t", "f0", "t", "f1"] + (["t", "s", "f3"] if copy else ["s"])
+        ev = [Fwd.TEMP, Fwd.TEMP, Fwd.free(0), Fwd.TEMP, Fwd.free(1)] + (
+            [Fwd.TEMP, Fwd.SAVED, Fwd.free(3)] if copy else [Fwd.SAVED])
         sm = F32 if (self.p.amp or half == F32 or fp32_then_cast) else half
         if sm == half:                                   # E is D: one saved tensor
-            ev.append("f2")
+            ev.append(Fwd.free(2))
         elif fp32_then_cast and not self.p.amp:          # D, E on one line, then C rebound
-            ev += ["s", "f2"]
+            ev += [Fwd.SAVED, Fwd.free(2)]
         else:                                            # C rebound before E is made
-            ev += ["f2", "s"]
+            ev += [Fwd.free(2), Fwd.SAVED]
         r.attn_events = ev
 
     def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int, p_drop: float = 0.0) -> T:
@@ -881,7 +883,7 @@ class Builder:
         (its fp32 mask and dropped probabilities between)."""
         self.r.attn_at = len(self.r.saved)               # the softmax output is the next saved tensor
         self.r.attn_temps = [T(0, heads, F32)]
-        self.r.attn_events = ["t", "s", "f0"]
+        self.r.attn_events = [Fwd.TEMP, Fwd.SAVED, Fwd.free(0)]
 
     def _math_attention_input_dtype(self, v: T, heads: float, kv_heads: float, head_dim: int,
                                     p_drop: float) -> T:
@@ -1738,7 +1740,8 @@ def _gpt2_branch_dropout(B: Builder, h: float, p: float, name: str, p_drop: floa
     if p <= 0 or not B.dropout or B.frozen:
         B.drop(T(h, 0, half, "resid"), p_drop, name)
         return
-    B.r.forward_group([T(h, 0, half, "resid"), T(h, 0, half, name)], ["t", "t", "s", "f0", "e1"],
+    B.r.forward_group([T(h, 0, half, "resid"), T(h, 0, half, name)],
+                      [Fwd.TEMP, Fwd.TEMP, Fwd.SAVED, Fwd.free(0), Fwd.end(1)],
                       T(h, 0, 1, name + ".mask"))
     B.r.resid_grad = h * B.p.stream  # (b, s, h), the residual stream's dtype: its gradient, apart from the branch's
 
@@ -1764,7 +1767,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         m_in = B.layer_norm(x2, "LayerNorm")
         src2 = T(h / sp_div, 0, m_in.nbytes, "LayerNorm.out")
     else:
-        ln1 = _bert_branch_end(B, k, h / sp_div, "attention.output", "n1")
+        ln1 = _bert_branch_end(B, k, h / sp_div, "attention.output", Fwd.next_saved(1))
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
     if not k.pre_norm:
         # post-LN: the output LayerNorm's input gradient (b, s, h), residual dtype, reaches the residual
@@ -1784,7 +1787,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     else:
         # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
         dropped = T(h / sp_div, 0, half, "output.dropout")
-        out = _bert_branch_end(B, k, h / sp_div, "output", "e1", dropped)
+        out = _bert_branch_end(B, k, h / sp_div, "output", Fwd.end(1), dropped)
         if not B.frozen:
             # recomputed (full recompute), the layer stops at this last pack with its frames holding
             # ``attention_output`` (``feed_forward_chunk``; saved itself only without autocast), the
@@ -1820,7 +1823,8 @@ def _bert_branch_end(B: Builder, k: LayerKey, h: float, name: str, last: str, dr
         return B.layer_norm(summed, f"{name}.LayerNorm")
     if B.base_trains:
         B.grad_starts(summed)
-    B.r.forward_group([T(h, 0, half, "resid"), dropped], ["t", "t", "s", "f0", "s", "s", last],
+    B.r.forward_group([T(h, 0, half, "resid"), dropped],
+                      [Fwd.TEMP, Fwd.TEMP, Fwd.SAVED, Fwd.free(0), Fwd.SAVED, Fwd.SAVED, last],
                       T(h, 0, 1, drop + ".mask"), T(h, 0, summed.nbytes, f"{name}.LayerNorm"),
                       T(2, 0, F32, f"{name}.LayerNorm.stats"))
     return T(h, 0, F32 if pol.amp else summed.nbytes, f"{name}.LayerNorm.out")
@@ -1876,7 +1880,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                           softmax_fp32_then_cast=True)
     if resid and backend == "eager" and not pol.amp:              # ``matmul(p, v)``'s (b, heads, s, d) output,
-        B.r.forward_group([T(q, 0, half, "attn.pv")], ["t", "s", "f0"], ctx)  # freed once copied into ctx
+        B.r.forward_group([T(q, 0, half, "attn.pv")], [Fwd.TEMP, Fwd.SAVED, Fwd.free(0)],
+                          ctx)                                    # freed once copied into ctx
     B.linear(ctx, h, "o_proj", "o_proj.input")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     branch = T(h, 0, half, "o_proj.out") if resid else None      # o_proj's output: (b, s, h), compute dtype
@@ -1968,14 +1973,17 @@ def _llama_norm_group(B: Builder, x: T, name: str, inp: bool = False, branch: T 
     B.r.input_saved |= not half and x is B.layer_input
     if half:
         temps.append(T(x.tok, 0, F32, name + ".normed32"))        # hidden * rsqrt: (b, s, h) fp32
-        events = ["s", "t", "t", "f0", "t", "s", "f2", "t", "s", "s", "f1", "f3"]
+        events = [Fwd.SAVED, Fwd.TEMP, Fwd.TEMP, Fwd.free(0), Fwd.TEMP, Fwd.SAVED, Fwd.free(2), Fwd.TEMP, Fwd.SAVED,
+                  Fwd.SAVED, Fwd.free(1), Fwd.free(3)]
         _rms_norm_backward_half(B, x, len(B.r.saved), name)
     elif B.p.amp:                                                 # autocast: fp32 as below, but the output is
-        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "g1"]  # the linears' unsaved input (their half casts)
+        events = [Fwd.SAVED, Fwd.TEMP, Fwd.TEMP, Fwd.free(0), Fwd.TEMP, Fwd.SAVED, Fwd.free(2), Fwd.SAVED,
+                  Fwd.after(1)]                                   # the linears' unsaved input (their half casts)
         saved.pop()                                               # ``variance`` freed once it exists
         _rms_norm_backward_fp32(B, x, len(B.r.saved), name, saves_out=False)
     else:                                                         # fp32: .to(fp32) is the product itself
-        events = ["s", "t", "t", "f0", "t", "s", "f2", "s", "s", "f1"]
+        events = [Fwd.SAVED, Fwd.TEMP, Fwd.TEMP, Fwd.free(0), Fwd.TEMP, Fwd.SAVED, Fwd.free(2), Fwd.SAVED, Fwd.SAVED,
+                  Fwd.free(1)]
         _rms_norm_backward_fp32(B, x, len(B.r.saved), name)
     pre, events = _llama_resid_events(x, half, inp, branch, events)
     B.r.forward_group(pre + temps, events, *saved)
@@ -1993,16 +2001,16 @@ def _llama_resid_events(x: T, half: bool, inp: bool, branch: T | None, events: l
     stream's dtype), o_proj's output freed once it exists; in a half stream it is unsaved, held until the layer
     returns (``residual``, transformers 5.24.0 ``modeling_llama.py`` L308-311); in an fp32 stream it is
     the norm's first saved tensor."""
-    def shifted(k: int, evs: list) -> list:
-        return [e if e in ("s", "t") else e[0] + str(int(e[1:]) + k) for e in evs]
+    def shifted(k: int, evs: list) -> list:                     # (indexed events: fK, gK)
+        return [e if e in (Fwd.SAVED, Fwd.TEMP) else at(e[0], index(e) + k) for e in evs]
     if inp and half:                                              # the layer's input: (b, s, h) half
-        return [x], ["j"] + shifted(1, events)
+        return [x], [Fwd.INPUT_TEMP] + shifted(1, events)
     if inp:
-        return [], ["i"] + events[1:]
-    if branch is not None and half:                               # o_proj's output ("H": the attention's
-        return [branch, x], ["t", "H", "t", "f0"] + shifted(2, events) + ["e1"]  # held locals freed), the add's
-    if branch is not None:
-        return [branch], ["t", "H", "s", "f0"] + shifted(1, events[1:])
+        return [], [Fwd.INPUT] + events[1:]
+    if branch is not None and half:                               # o_proj's output ("H": the attention's held locals
+        return [branch, x], [Fwd.TEMP, Fwd.DROP_HELD, Fwd.TEMP, Fwd.free(0)] + shifted(2, events) + [Fwd.end(1)]
+    if branch is not None:                                        # freed), the add's
+        return [branch], [Fwd.TEMP, Fwd.DROP_HELD, Fwd.SAVED, Fwd.free(0)] + shifted(1, events[1:])
     return [], events
 
 
@@ -2030,8 +2038,9 @@ def _rms_norm_backward_half(B: Builder, x: T, base: int, name: str = "") -> None
     out = max(B.p.weight, x.nbytes)                               # the output's (and g's) dtype
     temps = [T(x.tok, 0, out), T(x.tok, 0, x.nbytes), T(x.tok, 0, out)] + \
         [T(x.tok, 0, F32) for _ in range(8)] + [T(x.tok, 0, x.nbytes)] * 3
-    events = ["s3", "u", "t", "t", "f2", "f0", "s2", "t", "f1", "t", "t", "f4", "f3", "s1",
-              "t", "t", "t", "t", "f7", "f8", "f6", "s0", "t", "f5", "f9", "t", "f10", "u", "t", "f11", "f12"]
+    t, u, free, rel = Bwd.TEMP, Bwd.TAKE, Bwd.free, Bwd.release
+    events = [rel(3), u, t, t, free(2), free(0), rel(2), t, free(1), t, t, free(4), free(3), rel(1),
+              t, t, t, t, free(7), free(8), free(6), rel(0), t, free(5), free(9), t, free(10), u, t, free(11), free(12)]
     B.r.backward_group(base, temps, _norm_stream_events(events, name))
 
 
@@ -2049,8 +2058,10 @@ def _rms_norm_backward_fp32(B: Builder, x: T, base: int, name: str = "", saves_o
     4 (-4 x4), 4 (-4 -4) MiB. Under autocast (an fp32 stream: the norm's ops in fp32, autocast leaves them
     alone) the same, but the output is not saved (``saves_out``; the linears save their half casts)."""
     temps = [T(x.tok, 0, F32) for _ in range(12)]
-    events = ["s3"] * saves_out + ["u", "t", "t", "f2", "f0", "s2", "t", "t", "f3", "f1", "s1", "u", "t", "f4", "f5",
-              "t", "t", "t", "t", "f8", "f9", "f7", "s0", "t", "f6", "f10"]
+    t, u, free, rel = Bwd.TEMP, Bwd.TAKE, Bwd.free, Bwd.release
+    events = [rel(3)] * saves_out + [u, t, t, free(2), free(0), rel(2), t, t, free(3), free(1), rel(1), u, t,
+                                     free(4), free(5), t, t, t, t, free(8), free(9), free(7), rel(0), t,
+                                     free(6), free(10)]
     B.r.backward_group(base, temps, _norm_stream_events(events, name))
 
 
@@ -2068,11 +2079,11 @@ def _norm_stream_events(events: list, name: str) -> list:
     backward ends 16 (-16 -16) MiB, the input norm's adds 16 (-16 -16) MiB, where the replay freed the
     16 MiB sum at the first group's end and made a 16 MiB residual gradient at the second."""
     if name.endswith("post_attention_layernorm"):
-        last = sum(e in ("t", "u") for e in events) - 1
-        return events + [f"k{last}"]
+        last = sum(e in (Bwd.TEMP, Bwd.TAKE) for e in events) - 1
+        return events + [Bwd.keep_stream(last)]
     if name.endswith("input_layernorm"):
-        at = [i for i, e in enumerate(events) if e == "u"][1]
-        return events[:at] + ["r"] + events[at + 1:]
+        at = [i for i, e in enumerate(events) if e == Bwd.TAKE][1]
+        return events[:at] + [Bwd.TAKE_STREAM] + events[at + 1:]
     return events
 
 
@@ -2121,22 +2132,22 @@ def _llama_rotary_held(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T, q_sa
     and the rotary temporaries: ``repeat_kv``'s 4, 4 MiB, matmul's 4 MiB copy of q, the scores ..., the
     context, ``o_proj``'s output, then the rotated q (4 MiB), k and v (1 MiB) freed."""
     temps = [q_out, k_out, vv]                                    # (b, s, q), (b, s, kv), (b, s, kv): compute dtype
-    events = ["t", "w", "t", "t"]                                 # q_proj (the workspace), k_proj, v_proj outputs
+    events = [Fwd.TEMP, Fwd.WORKSPACE, Fwd.TEMP, Fwd.TEMP]        # q_proj (the workspace), k_proj, v_proj outputs
     saved, held = [], []
     for x, rot, keep in ((q_out, qq, q_saved), (k_out, kk, False)):
         b = len(temps)
         temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
                   T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin")]     # cat, cat*sin
-        events += ["t", "t", "t", f"f{b + 1}", "t", f"f{b + 2}"]
+        events += [Fwd.TEMP, Fwd.TEMP, Fwd.TEMP, Fwd.free(b + 1), Fwd.TEMP, Fwd.free(b + 2)]
         if keep:                                                  # the rotated tensor: saved by the kernel
-            events.append("s")
+            events.append(Fwd.SAVED)
             saved.append(rot)
         else:                                                     # ... or a local held past the attention
             temps.append(T(rot.tok, 0, rot.nbytes, rot.name + ".held"))
-            events.append("t")
-            held.append(f"h{b + 4}")
-        events += [f"f{b}", f"f{b + 3}"]
-    B.r.forward_group(temps, events + ["f0", "f1"] + held + ["h2"], *saved)
+            events.append(Fwd.TEMP)
+            held.append(Fwd.hold(b + 4))
+        events += [Fwd.free(b), Fwd.free(b + 3)]
+    B.r.forward_group(temps, events + [Fwd.free(0), Fwd.free(1)] + held + [Fwd.hold(2)], *saved)
 
 
 def _rotary_cached(B: Builder, k: LayerKey, backend: str, heads: float, kvh: float) -> bool:
@@ -2161,13 +2172,15 @@ def _llama_rotary_cached(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) ->
     b1 s1024 bf16: after the rotary temporaries, ``q_proj``'s and ``k_proj``'s outputs freed, then two 0.25 MiB
     copies made and the rotated k and ``v_proj``'s output (0.25 MiB each) freed."""
     temps = [q_out, k_out, vv]                                    # (b, s, q), (b, s, kv), (b, s, kv): compute dtype
-    events = ["t", "w", "t", "t"]                                 # q_proj (the workspace), k_proj, v_proj outputs
+    events = [Fwd.TEMP, Fwd.WORKSPACE, Fwd.TEMP, Fwd.TEMP]        # q_proj (the workspace), k_proj, v_proj outputs
     for b, x in ((3, q_out), (7, k_out)):
         temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
                   T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin")]     # cat, cat*sin
-        events += ["t", "t", "t", f"f{b + 1}", "t", f"f{b + 2}", "s" if b == 3 else "t", f"f{b}", f"f{b + 3}"]
+        events += [Fwd.TEMP, Fwd.TEMP, Fwd.TEMP, Fwd.free(b + 1), Fwd.TEMP, Fwd.free(b + 2),
+                   Fwd.SAVED if b == 3 else Fwd.TEMP, Fwd.free(b), Fwd.free(b + 3)]
     temps.append(T(kk.tok, 0, kk.nbytes, "attn.k_rot"))          # the rotated k, before its cache copy
-    B.r.forward_group(temps, events + ["f0", "f1", "s", "s", "f11", "f2"], qq, kk, vv)
+    B.r.forward_group(temps, events + [Fwd.free(0), Fwd.free(1), Fwd.SAVED, Fwd.SAVED, Fwd.free(11), Fwd.free(2)],
+                      qq, kk, vv)
 
 
 def _rotary_cached_eager(B: Builder, k: LayerKey, backend: str, heads: float, kvh: float) -> bool:
@@ -2185,20 +2198,22 @@ def _llama_rotary_cached_eager(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv:
     the cache's copies of the rotated k and of ``v_proj``'s output (``kk``, ``vv``) are saved by nothing
     (the matmuls save ``repeat_kv``'s copies of them, ``Builder._eager_attention``) but held by the cache,
     which the model output references ("cK": ``reserved.layer_forward._group_allocs``, freed with the output,
-    ``_Replay.out_refs``; ``Recipe.hold`` in the recipe, ``_hold_cache``), and the rotated q is a local of
+    ``_LayerCarry.out_refs``; ``Recipe.hold`` in the recipe, ``_hold_cache``), and the rotated q is a local of
     ``LlamaAttention.forward`` held until it returns after ``o_proj`` ("hK", as ``_llama_rotary_held``): matmul
     saves its own reshaped copy. Trace, the wide Llama with 4 of 16 key/value heads, eager, pure bf16, a KV
     cache: after the rotary temporaries and the projections' outputs freed, two 1 MiB copies, the rotated k and
     ``v_proj``'s output freed, then ``repeat_kv``'s 4, 4 MiB and matmul's 4 MiB copy of q."""
     temps = [q_out, k_out, vv]                                    # (b, s, q), (b, s, kv), (b, s, kv): compute dtype
-    events = ["t", "w", "t", "t"]                                 # q_proj (the workspace), k_proj, v_proj outputs
+    events = [Fwd.TEMP, Fwd.WORKSPACE, Fwd.TEMP, Fwd.TEMP]        # q_proj (the workspace), k_proj, v_proj outputs
     for b, x in ((3, q_out), (8, k_out)):
         temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
                   T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin"),     # cat, cat*sin
                   T(x.tok, 0, x.nbytes, "rotary.rotated")]                                     # their sum
-        events += ["t", "t", "t", f"f{b + 1}", "t", f"f{b + 2}", "t", f"f{b}", f"f{b + 3}"]
+        events += [Fwd.TEMP, Fwd.TEMP, Fwd.TEMP, Fwd.free(b + 1), Fwd.TEMP, Fwd.free(b + 2), Fwd.TEMP, Fwd.free(b),
+                   Fwd.free(b + 3)]
     temps += [T(kk.tok, 0, kk.nbytes, "kv_cache.k"), T(vv.tok, 0, vv.nbytes, "kv_cache.v")]  # the cache's copies
-    B.r.forward_group(temps, events + ["f0", "f1", "t", "t", "f12", "f2", "c13", "c14", "h7"])
+    B.r.forward_group(temps, events + [Fwd.free(0), Fwd.free(1), Fwd.TEMP, Fwd.TEMP, Fwd.free(12), Fwd.free(2),
+                                       Fwd.out_ref(13), Fwd.out_ref(14), Fwd.hold(7)])
 
 
 def _llama_rotary_group(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) -> None:
@@ -2216,12 +2231,13 @@ def _llama_rotary_group(B: Builder, q_out: T, k_out: T, qq: T, kk: T, vv: T) -> 
     ``v_proj`` 4 MiB, then 4, 2, 4, 4, 4 MiB twice. "w": the forward thread's cuBLAS workspace, where the
     step's first matmul makes it (``first_matmul_at``), after ``q_proj``'s output (``_group_allocs``)."""
     temps = [q_out, k_out]                                        # (b, s, q), (b, s, kv) in the compute dtype
-    events = ["t", "w", "t", "s"]                                 # q_proj (the workspace), k_proj, v_proj outputs
+    events = [Fwd.TEMP, Fwd.WORKSPACE, Fwd.TEMP, Fwd.SAVED]       # q_proj (the workspace), k_proj, v_proj outputs
     for base, x in ((2, q_out), (6, k_out)):
         temps += [T(x.tok, 0, x.nbytes, "rotary.cos"), T(x.tok / 2, 0, x.nbytes, "rotary.neg"),  # x*cos, -x2
                   T(x.tok, 0, x.nbytes, "rotary.cat"), T(x.tok, 0, x.nbytes, "rotary.sin")]     # cat, cat*sin
-        events += ["t", "t", "t", f"f{base + 1}", "t", f"f{base + 2}", "s", f"f{base}", f"f{base + 3}"]
-    B.r.forward_group(temps, events + ["f0", "f1"], vv, qq, kk)
+        events += [Fwd.TEMP, Fwd.TEMP, Fwd.TEMP, Fwd.free(base + 1), Fwd.TEMP, Fwd.free(base + 2), Fwd.SAVED,
+                   Fwd.free(base), Fwd.free(base + 3)]
+    B.r.forward_group(temps, events + [Fwd.free(0), Fwd.free(1)], vv, qq, kk)
 
 
 def _math_in_order(B: Builder, k: LayerKey, backend: str, heads: float, kvh: float) -> bool:
@@ -2257,17 +2273,17 @@ class _Ops:
         if t is None:
             return None
         self.temps.append(t)
-        self.events.append("t")
+        self.events.append(Fwd.TEMP)
         return len(self.temps) - 1
 
     def free(self, *idx: int | None) -> None:
-        self.events += [f"f{i}" for i in idx if i is not None]
+        self.events += [Fwd.free(i) for i in idx if i is not None]
 
     def save(self) -> None:
-        self.events.append("s")
+        self.events.append(Fwd.SAVED)
 
     def hold(self, *idx: int | None) -> None:
-        self.events += [f"c{i}" for i in idx if i is not None]     # referenced by the model output
+        self.events += [Fwd.out_ref(i) for i in idx if i is not None]  # referenced by the model output
 
 
 def _llama_math_attention(B: Builder, k: LayerKey, proj: dict, heads: float, kvh: float) -> T:
@@ -2303,7 +2319,7 @@ def _math_group(B: Builder, k: LayerKey, proj: dict, heads: float, many: bool) -
     expanded keys), -4 (mask), the context 8, -8. Pure bf16 adds the fp32 copies of q, k, v (8, 2, 2) before
     the scaling, ``attn.to(bf16)`` 64 and the output's bf16 copy 4, freed as the kernel returns; bf16-amp
     the same on autocast's bf16 casts of the fp32 rotated q and cached keys (4, 1). The cache's copies
-    live as long as the model's output (trace: freed with it after the loss), here too ("hK":
+    live as long as the model's output (trace: freed with it after the loss), here too ("cK":
     ``reserved.driver._forward`` frees them with the output)."""
     pol, half = B.p, B.p.half
     qo, ko, vo = proj["q_proj"], proj["k_proj"], proj["v_proj"]   # (b, s, q), (b, s, kv) x2 in the compute dtype
@@ -2700,13 +2716,15 @@ def _gelu_new_forward(B: Builder, f: float, wide: int) -> None:
     ``mul`` 6, ``_to_copy`` 12, ``pow``, ``mul``, ``add``, ``mul``, ``tanh``, ``add``, ``mul`` 12 MiB each."""
     half = B.p.half
     x, t = T(f, 0, half, "mlp.c_fc.out"), [T(f, 0, wide) for _ in range(4)]
-    chain = ["t", "t", "f1", "t", "f2", "t", "f3", "s", "f4", "s"]   # pow .. tanh, 1 + tanh (temporaries 1-4)
+    chain = [Fwd.TEMP, Fwd.TEMP, Fwd.free(1), Fwd.TEMP, Fwd.free(2), Fwd.TEMP, Fwd.free(3), Fwd.SAVED, Fwd.free(4),
+             Fwd.SAVED]                                           # pow .. tanh, 1 + tanh (temporaries 1-4)
     half_x, tanh, one = T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.tanh"), T(f, 0, wide, "mlp.act.one_plus_tanh")
     if wide != half:                                              # the c_fc output a temporary (0), pow's fp32 copy saved
-        B.r.forward_group([x] + t, ["t", "s", "s"] + chain + ["g0"], half_x, T(f, 0, wide, "mlp.act.pow_input"), tanh, one)
+        B.r.forward_group([x] + t, [Fwd.TEMP, Fwd.SAVED, Fwd.SAVED] + chain + [Fwd.after(0)], half_x,
+                          T(f, 0, wide, "mlp.act.pow_input"), tanh, one)
     else:                                                         # pow saves the c_fc output itself
-        chain = [e[0] + str(int(e[1:]) - 1) if e[0] == "f" else e for e in chain]
-        B.r.forward_group(t, ["s", "s"] + chain, T(f, 0, wide, "mlp.act.pow_input"), half_x, tanh, one)
+        chain = [Fwd.free(index(e) - 1) if e[0] == Fwd.FREE else e for e in chain]
+        B.r.forward_group(t, [Fwd.SAVED, Fwd.SAVED] + chain, T(f, 0, wide, "mlp.act.pow_input"), half_x, tanh, one)
 
 
 def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:
@@ -2799,10 +2817,12 @@ def _moe_forward_events(r: Recipe, rows: T, f: float, h: float, k: int, wd: int,
     sum32 = [T(h, 0, F32, "experts.sum32")] if hidden != F32 else []
     if trainable:                                             # rows and product saved
         temps = [weighted, perm] + sum32
-        ev = ["s", "s", "s", "s", "s", "t", "t", "f0"] + (["t", "f2"] if sum32 else []) + ["f1"]
+        ev = [Fwd.SAVED] * 5 + [Fwd.TEMP, Fwd.TEMP, Fwd.free(0)] + ([Fwd.TEMP, Fwd.free(2)] if sum32 else []) + [
+            Fwd.free(1)]
     else:                                                     # rows and product temporaries
         temps = [rows, T(k * f, 0, wd, "experts.act_product"), weighted, perm] + sum32
-        ev = ["t", "s", "s", "t", "s", "f1", "t", "t", "f2"] + (["t", "f4"] if sum32 else []) + ["f3", "f0"]
+        ev = [Fwd.TEMP, Fwd.SAVED, Fwd.SAVED, Fwd.TEMP, Fwd.SAVED, Fwd.free(1), Fwd.TEMP, Fwd.TEMP, Fwd.free(2)] + (
+            [Fwd.TEMP, Fwd.free(4)] if sum32 else []) + [Fwd.free(3), Fwd.free(0)]
     r.group_ahead(temps, ev)                                  # the next saved tensor: rows or gate/up's
 
 
@@ -2984,8 +3004,9 @@ def _swiglu_backward(B: Builder, f: float, h: float, lin: int) -> None:
     half = B.p.half
     temps = [T(h, 0, B.p.stream), T(f, 0, half), T(f, 0, half), T(f, 0, half), T(h, 0, half), T(f, 0, half),
              T(h, 0, half), T(h, 0, half)]
-    events = ["u", f"w{lin + 2}", "t", "s3", "t", "t", "f1", "s1", "s2", f"w{lin + 1}", "t", "f2",
-              "t", "f3", "s0", f"w{lin}", "t", "f5", "s-1", "t", "f4", "f6", "c7", "c0"]
+    t, free, rel, wg, carry = Bwd.TEMP, Bwd.free, Bwd.release, Bwd.weight_grad, Bwd.carry
+    events = [Bwd.TAKE, wg(lin + 2), t, rel(3), t, t, free(1), rel(1), rel(2), wg(lin + 1), t, free(2),
+              t, free(3), rel(0), wg(lin), t, free(5), rel(-1), t, free(4), free(6), carry(7), carry(0)]
     B.r.at_linear = -1
     B.r.backward_group(base, temps, events, cover=0)
     at, _base, ts, ev, _c = B.r.bwd_groups.pop()
@@ -3012,12 +3033,13 @@ def _swiglu_backward_autocast(B: Builder, f: float, h: float, lin: int) -> None:
     sizes = [(h, F32), (h, half), (0, 0), (f, half), (f, half), (f, half), (0, 0), (h, half), (h, F32),
              (f, half), (0, 0), (h, half), (h, F32), (h, F32)]
     temps = [T(a, 0, b) for a, b in sizes]
-    events = ["u", "t", f"h{d}", "t", "f1", "s5", f"x{d}", f"w{d}", "f2",
-              "t", "t", "f3", "s3", "s4",
-              f"h{u}", "t", "f4", f"x{u}", "s1", f"w{u}", "f6", "t", "f7",
-              "t", "f5", "s2",
-              f"h{g}", "t", "f9", f"x{g}", "s0", f"w{g}", "f10", "t", "f11",
-              "t", "f8", "f12", "c13", "c0"]
+    t, free, rel, wg, hg, xc = Bwd.TEMP, Bwd.free, Bwd.release, Bwd.weight_grad, Bwd.half_grad, Bwd.drop_copy
+    events = [Bwd.TAKE, t, hg(d), t, free(1), rel(5), xc(d), wg(d), free(2),
+              t, t, free(3), rel(3), rel(4),
+              hg(u), t, free(4), xc(u), rel(1), wg(u), free(6), t, free(7),
+              t, free(5), rel(2),
+              hg(g), t, free(9), xc(g), rel(0), wg(g), free(10), t, free(11),
+              t, free(8), free(12), Bwd.carry(13), Bwd.carry(0)]
     B.r.at_linear = -1
     B.r.backward_group(base, temps, events)
     at, _base, ts, ev, _c = B.r.bwd_groups.pop()

@@ -58,10 +58,10 @@ def _embeddings_held(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs)
     b8 s256 op -0.0 -> -15.9 % (its step-2 forward's small blocks fill another segment than trace's).
     Also under full recomputation where the checkpointed first forward is written tensor by tensor
     (``lc.nograd_events``: ``nograd.gpt2_block``), which the replay makes around them in op order with
-    the first layer's input (``reserved.driver._bottom_input``): the grid's FSDP1 b8 s256 row +24.4 ->
+    the first layer's input (``reserved.driver._gpt2_dropout_input``): the grid's FSDP1 b8 s256 row +24.4 ->
     -0.02 %, b1 s1024 AdamW 8-bit 0.00 -> 0.00 % (-1.86 % written without them). With them BERT's
     embeddings module's tensors (``bert_embeddings``), which the replay makes where the bottom
-    checkpoint keeps their output (``reserved.driver._embeddings_saved``)."""
+    checkpoint keeps their output (``reserved.driver._bert_embeddings_saved``)."""
     written = t.recompute == "full" and bool(lc.nograd_events)    # (its first forward tensor by tensor)
     tok, pos, summed = gpt2_embeddings(m, t, pol) if t.recompute == "none" or written else (0.0, 0.0, 0.0)
     bert = bert_embeddings(m, t, pol)                             # BERT's embeddings module, tensor by tensor

@@ -139,13 +139,13 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     s.forwards += 1
     z3 = _Zero3Replay(R, q, recorded=s.forwards > 1) if q.ds_events else None   # the root's, the embedding's fetches
     gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams) if z3 is None else None
-    first = _checkpoint_input(q, parts, tk, recompute)            # inputs_embeds, the bottom checkpoint's input:
-    looked = _looked_up(R, q, first)                              # (the Llama template's, made first)
-    embeds, rebound = _held_embeddings(R, q, tk, seqs, first > 0)  # kept to its backward, else held unsaved
+    first = _checkpoint_input(q, parts, tk, recompute)            # the bottom checkpoint's input (bytes, layout):
+    looked = _looked_up(R, first)                                 # (the Llama template's, made first)
+    embeds, rebound = _held_embeddings(R, q, tk, seqs, first)     # inputs_embeds kept to its backward, else held
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
         gathered = None
-    emb, below = _embeddings_saved(R, q, tk, seqs, first, looked)  # their saved tensors, then their output
+    emb, below = _embeddings_saved(R, q, tk, seqs, first, looked, rebound)  # saved tensors, the kept input
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
     kept, top = _layers(R, s, q, (fs, z3), parts, tk, recompute, cached, rebound, below)  # (its fetch starts
@@ -182,7 +182,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs, sum(map(R.a.block_size, body)))
-    out, R.out_refs = list(out) + R.out_refs, []                        # the output's KV cache (layer_forward "cK")
+    out, R.layer.out_refs = list(out) + R.layer.out_refs, []      # the output's KV cache (layer_forward "cK")
     fwd += body                                                   # the body's output, held until the loss returns
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
@@ -217,8 +217,6 @@ def _layers(R: _Replay, s: _Step, q: Quantities, units: tuple, parts: list[int],
     (h 1024) b4 s512 fp32 under --recompute op keeps the embedding's 8 MiB output where the replay's
     first layer put its first temporaries in that block."""
     fs, z3 = units
-    if below is None:                                             # GPT-2: the embeddings' dropout output
-        below = _bottom_input(R, q, parts, tk, recompute, rebound)
     kept = []
     for i in range(q.layers):
         z3.forward(R, i)
@@ -230,54 +228,49 @@ def _layers(R: _Replay, s: _Step, q: Quantities, units: tuple, parts: list[int],
     return kept, below
 
 
-def _bottom_input(R: _Replay, q: Quantities, parts: Any, tk: Tokens, recompute: str, rebound: list) -> int | None:
-    """GPT-2's first layer's input under full recomputation, where its checkpointed first forward is
-    written tensor by tensor (``parts.nograd_events``, ``nograd.gpt2_block``) and the embeddings' tensors
-    are made (``_held_embeddings``): the embeddings' dropout output, which the checkpoint keeps until the
-    layer's backward, made here, before the layer's gather, and their sum freed (``rebound``;
-    transformers 5.24 ``models/gpt2/modeling_gpt2.py`` L603 ``hidden_states = self.drop(hidden_states)``).
-    The replay otherwise makes each checkpointed layer's kept block at its end, the next one's input
-    (``_fed_top_output``), so the bottom layer's input was none of its blocks and the top layer's output
-    was one beside the final norm's saved input: here it is ``_layers``' ``below``, so that each layer's
-    kept entry holds its own input, and ``_forward`` hands the top layer's output to the head side as the
-    norm's input (``loss_forward._fed_norm_input``), freed by the norm's backward (``loss_backward._final_norm_backward``).
-    Trace, GPT-2 b1 s1024 pure bf16, full recomputation: ``embedding`` 1.5, ``embedding`` 1.5, ``add``
-    1.5, ``native_dropout`` 1.5 MiB, the sum freed, then ``ln_1``. Returns that input's handle, else None."""
-    if recompute != "full" or not getattr(parts, "nograd_events", ()) or not q.embeds_pos or not tk.layer:
-        return None
-    inp = R.alloc(int(tk.layer))                                  # (b, s, h), the stream's dtype
-    R.frees(rebound)
-    rebound.clear()
-    return inp
+#: where the embeddings make the bottom checkpoint's kept input (``_checkpoint_input``'s layout, the one
+#: difference between the families): the lookup's output, first (the Llama template, ``_looked_up``); BERT's
+#: dropout output, its embeddings module tensor by tensor (``_bert_embeddings_saved``); GPT-2's dropout output,
+#: after the held embeddings and their sum, which it frees (``_gpt2_dropout_input``); else after the embeddings'
+#: saved tensors as one block
+_LOOKUP, _BERT, _GPT2, _AFTER_SAVED = "lookup", "bert", "gpt2", "after saved"
 
 
-
-def _checkpoint_input(q: Quantities, parts: list[int], tk: Tokens, recompute: str) -> int:
-    """Bytes of a checkpointed layer's kept input where ``_layers`` makes it before the bottom layer:
-    under full recomputation or torchtitan's per-op policy when the first block the layer keeps is its
-    input alone (``layer_forward._kept_blocks``, ``_kept_whole``), on one device or a data-parallel rank
-    whose final norm the head side lists tensor by tensor (``Quantities.head_side``, which reads the top
-    layer's output); 0 elsewhere (a pipeline stage's input is received, ``_fed_top_output``; a head side
-    of one block; GPT-2's held embeddings, whose first layer's input is their sum's dropout, made after
-    them: ``_held_embeddings``)."""
+def _checkpoint_input(q: Quantities, parts: Any, tk: Tokens, recompute: str) -> tuple[int, str]:
+    """Bytes of a checkpointed layer's kept input where ``_forward`` makes it before the bottom layer (``_layers``'
+    ``below``), and where the embeddings make it (``_LOOKUP``, ``_BERT``, ``_GPT2``, ``_AFTER_SAVED``); (0, "")
+    where none. GPT-2 under full recomputation with its first forward written tensor by tensor
+    (``_gpt2_dropout_input``): the layer's (b, s, h) input. Elsewhere, under full recomputation or torchtitan's
+    per-op policy when the first block the layer keeps is its input alone (``layer_forward._kept_blocks``,
+    ``_kept_whole``), on one device or a data-parallel rank whose final norm the head side lists tensor by
+    tensor (``Quantities.head_side``, which reads the top layer's output); none elsewhere (a pipeline stage's
+    input is received, ``_fed_top_output``; a head side of one block; GPT-2's held embeddings otherwise,
+    whose first layer's input is their sum's dropout, made after them: ``_held_embeddings``)."""
+    if recompute == "full" and getattr(parts, "nograd_events", ()) and q.embeds_pos and tk.layer:
+        return int(tk.layer), _GPT2
     piped = q.pp_inflight > 1 or q.pipe_recv > 0 or q.pipe_stages > 1
     if recompute not in ("full", "op") or not q.head_side or piped or q.embeds_pos or q.embeds_sum_tok:
-        return 0
+        return 0, ""
     if not _kept_whole(parts, tk.layer, recompute):
-        return 0
-    return _kept_blocks(parts, tk.layer, recompute)[0]
+        return 0, ""
+    first = _kept_blocks(parts, tk.layer, recompute)[0]
+    if not first:
+        return 0, ""
+    n, _mask, rest = _bert_embedding_bytes(q, tk)
+    return first, _LOOKUP if q.embeds_first else _BERT if n and first == n and rest >= 0 else _AFTER_SAVED
 
 
-def _looked_up(R: _Replay, q: Quantities, first: int) -> int | None:
-    """The bottom checkpoint's kept input (``first`` bytes, ``_checkpoint_input``) where it is the embedding
-    lookup's output made before the base model's mask and rotary tables (``Quantities.embeds_first``,
-    ``quantities.head_moments.lookup_first``: transformers 5.24.0 ``models/mistral/modeling_mistral.py``
-    ``MistralModel.forward`` L345 ``inputs_embeds = self.embed_tokens(input_ids)``, L356 the causal mask,
-    L365 the rotary tables; the Llama template): made here, first; None elsewhere (``_embeddings_saved``
-    makes it after the embeddings' saved tensors). Trace, Llama (hidden 1024) b2 s1024 bf16 full recomputation:
-    the 4 MiB embedding output, then the 4 MiB mask (tests/test_lookup_first_replay.py); the replay had the
-    mask's block first."""
-    return R.alloc(first) if first and q.embeds_first else None
+def _looked_up(R: _Replay, first: tuple[int, str]) -> int | None:
+    """The bottom checkpoint's kept input (``first``: its bytes and layout, ``_checkpoint_input``) where it is
+    the embedding lookup's output made before the base model's mask and rotary tables (``_LOOKUP``:
+    ``Quantities.embeds_first``, ``quantities.head_moments.lookup_first``: transformers 5.24.0
+    ``models/mistral/modeling_mistral.py`` ``MistralModel.forward`` L345 ``inputs_embeds =
+    self.embed_tokens(input_ids)``, L356 the causal mask, L365 the rotary tables; the Llama template): made
+    here, first; None elsewhere (``_embeddings_saved`` makes it after the embeddings' saved tensors). Trace,
+    Llama (hidden 1024) b2 s1024 bf16 full recomputation: the 4 MiB embedding output, then the 4 MiB mask
+    (tests/test_lookup_first_replay.py); the replay had the mask's block first."""
+    nbytes, layout = first
+    return R.alloc(nbytes) if layout == _LOOKUP else None
 
 
 def _mask_and_tables(R: _Replay, q: Quantities, tk: Tokens, seqs: int) -> list:
@@ -295,25 +288,46 @@ def _mask_and_tables(R: _Replay, q: Quantities, tk: Tokens, seqs: int) -> list:
     return [R.alloc(mask), R.alloc(rest - mask, one=False)]
 
 
-def _embeddings_saved(R: _Replay, q: Quantities, tk: Tokens, seqs: int, first: int,
-                      looked: int | None = None) -> tuple[list, int | None]:
-    """The embeddings' saved tensors (``tk.outer_rest``: one block, several tensors) and, where the bottom
-    checkpoint keeps it (``first`` bytes, ``_checkpoint_input``), their output after them. BERT's where that
-    input is made here: its embeddings module tensor by tensor (``quantities.head_moments.bert_embeddings``;
-    ``BertEmbeddings.forward``, transformers 5.24.0 ``models/bert/modeling_bert.py`` L100-109): the word and
-    token-type embeddings (b, s, h), their sum, the position embeddings (1, s, h), the second sum (the
-    LayerNorm's saved input), the LayerNorm's output, its mean and rstd (with what else ``outer_rest``
-    lists, one block), the dropout's output (the kept input) and mask (saved), the LayerNorm's output freed,
-    the three embeddings freed on return. Made as two blocks, the 7.5 MiB saved one and the kept input, trace's
-    BERT b2 s1024 fp32 full recompute opened one 20 MiB segment more in the first forward and, in step 2, one
-    240 MiB logits segment fewer (peak -13.4 % of trace's); tensor by tensor, every segment is trace's."""
+def _embeddings_saved(R: _Replay, q: Quantities, tk: Tokens, seqs: int, first: tuple[int, str],
+                      looked: int | None, rebound: list) -> tuple[list, int | None]:
+    """The embeddings' saved tensors and, where the bottom checkpoint keeps it (``first``: its bytes and
+    layout, ``_checkpoint_input``), that input, made where the family's embeddings make it: the Llama
+    template's mask and tables after it (``looked``, made first: ``_mask_and_tables``), BERT's embeddings
+    module tensor by tensor (``_bert_embeddings_saved``), GPT-2's dropout output after the one saved block
+    (``_gpt2_dropout_input``, ``rebound``: their sum, freed), else after the one saved block
+    (``tk.outer_rest``: several tensors). Returns the saved tensors and the kept input."""
+    nbytes, layout = first
+    if layout == _LOOKUP:
+        return _mask_and_tables(R, q, tk, seqs), looked
+    if layout == _BERT:
+        return _bert_embeddings_saved(R, q, tk, seqs, nbytes)
+    saved = [R.alloc(tk.outer_rest, one=False)]
+    if layout == _GPT2:
+        return saved, _gpt2_dropout_input(R, nbytes, rebound)
+    return saved, (R.alloc(nbytes) if nbytes else None)
+
+
+def _bert_embedding_bytes(q: Quantities, tk: Tokens) -> tuple[int, int, int]:
+    """Bytes of BERT's embeddings tensors (``quantities.head_moments.bert_embeddings``): one (b, s, h) tensor
+    in the embeddings' dtype, the dropout's (b, s, h) bool mask, and the rest of ``tk.outer_rest`` (the
+    LayerNorm's (b, s) mean and rstd, ...); (0, 0, rest) for another model."""
     n = int(q.bert_emb_tok * tk.tokens)                           # (b, s, h) in the embeddings' dtype
     mask = int(q.bert_mask_tok * tk.tokens)                       # (b, s, h) bool
-    rest = int(tk.outer_rest) - n - mask                          # the LayerNorm's (b, s) mean and rstd, ...
-    if looked is not None:                                        # the kept input made first (_looked_up)
-        return _mask_and_tables(R, q, tk, seqs), looked
-    if not first or not n or first != n or rest < 0:
-        return [R.alloc(tk.outer_rest, one=False)], (R.alloc(first) if first else None)
+    return n, mask, int(tk.outer_rest) - n - mask
+
+
+def _bert_embeddings_saved(R: _Replay, q: Quantities, tk: Tokens, seqs: int, first: int) -> tuple[list, int]:
+    """BERT's embeddings module tensor by tensor with the bottom checkpoint's kept input (``first`` bytes,
+    ``_checkpoint_input``'s ``_BERT``; ``quantities.head_moments.bert_embeddings``; ``BertEmbeddings.forward``,
+    transformers 5.24.0 ``models/bert/modeling_bert.py`` L100-109): the word and token-type embeddings
+    (b, s, h), their sum, the position embeddings (1, s, h), the second sum (the LayerNorm's saved input), the
+    LayerNorm's output, its mean and rstd (with what else ``outer_rest`` lists, one block), the dropout's
+    output (the kept input) and mask (saved), the LayerNorm's output freed, the three embeddings freed on
+    return. Made as two blocks, the 7.5 MiB saved one and the kept input, trace's BERT b2 s1024 fp32 full
+    recompute opened one 20 MiB segment more in the first forward and, in step 2, one 240 MiB logits segment
+    fewer (peak -13.4 % of trace's); tensor by tensor, every segment is trace's. Returns the saved tensors
+    and the kept input."""
+    n, mask, rest = _bert_embedding_bytes(q, tk)
     word, types = R.alloc(n), R.alloc(n)
     summed = R.alloc(n)
     pos = R.alloc(n // max(seqs, 1))                              # (1, s, h)
@@ -327,13 +341,37 @@ def _embeddings_saved(R: _Replay, q: Quantities, tk: Tokens, seqs: int, first: i
     return saved, below
 
 
-def _held_embeddings(R: _Replay, q: Quantities, tk: Tokens, seqs: int, kept: bool = False) -> tuple[list, list]:
+def _gpt2_dropout_input(R: _Replay, nbytes: int, rebound: list) -> int:
+    """GPT-2's first layer's input under full recomputation (``_checkpoint_input``'s ``_GPT2``), where its
+    checkpointed first forward is written tensor by tensor (``parts.nograd_events``, ``nograd.gpt2_block``) and
+    the embeddings' tensors are made (``_held_embeddings``): the embeddings' dropout output (``nbytes``: (b, s,
+    h), the stream's dtype), which the checkpoint keeps until the layer's backward, made after the embeddings'
+    saved block, before the layer's gather, and their sum freed (``rebound``; transformers 5.24
+    ``models/gpt2/modeling_gpt2.py`` L603 ``hidden_states = self.drop(hidden_states)``). Unlike the other
+    families' kept input it is not ``inputs_embeds``, which the base model holds apart (``_held_embeddings``).
+    The replay otherwise makes each checkpointed layer's kept block at its end, the next one's input
+    (``_fed_top_output``), so the bottom layer's input was none of its blocks and the top layer's output
+    was one beside the final norm's saved input: here it is ``_layers``' ``below``, so that each layer's
+    kept entry holds its own input, and ``_forward`` hands the top layer's output to the head side as the
+    norm's input (``loss_forward._fed_norm_input``), freed by the norm's backward
+    (``loss_backward._final_norm_backward``). Trace, GPT-2 b1 s1024 pure bf16, full recomputation:
+    ``embedding`` 1.5, ``embedding`` 1.5, ``add`` 1.5, ``native_dropout`` 1.5 MiB, the sum freed, then
+    ``ln_1``. Returns that input's handle."""
+    inp = R.alloc(nbytes)                                         # (b, s, h), the stream's dtype
+    R.frees(rebound)
+    rebound.clear()
+    return inp
+
+
+def _held_embeddings(R: _Replay, q: Quantities, tk: Tokens, seqs: int, first: tuple[int, str] = (0, "")
+                     ) -> tuple[list, list]:
     """The embedding outputs the base model holds, unsaved, until it returns (``held_embeddings``; GPT-2's
     ``inputs_embeds`` and ``position_embeds``, one (1, s, h) for the ``seqs`` sequences,
     ``gpt2_embeddings``), and the tensors freed once the first layer's input exists (GPT-2: their sum,
     rebound by the embeddings' dropout, whose output the first layer saves first: ``_layer_forward``'s
-    ``rebound``). ``kept``: the bottom checkpoint keeps ``inputs_embeds`` (``_checkpoint_input``), made
-    by the caller: not made again here."""
+    ``rebound``). ``first``: the bottom checkpoint's kept input (``_checkpoint_input``), which but for GPT-2's
+    (its embeddings' dropout output) is ``inputs_embeds``, made by the caller: not made again here."""
+    kept = first[0] > 0 and first[1] != _GPT2
     held = [R.alloc(int(q.embeds_tok * tk.tokens)) if not kept else None,
             R.alloc(int(q.embeds_pos * (tk.tokens // max(seqs, 1))))]
     summed = R.alloc(int(q.embeds_sum_tok * tk.tokens))           # None where there is none (not GPT-2):
@@ -398,14 +436,14 @@ def _top_output(R: _Replay, q: Quantities, tk: Tokens, kept: list, recompute: st
                 top: int | None = None) -> int | None:
     """The top layer's output for the final norm (``loss_forward._head_side``) or the stage's output
     (``_stage_output``): on a fed stage taken out of what that layer keeps (``_fed_top_output``), else as the
-    layer's forward made it (``layer_forward._resid_tail``, ``_Replay.resid``), or ``top``, where the
+    layer's forward made it (``layer_forward._resid_tail``, ``_LayerCarry.resid``), or ``top``, where the
     checkpoints keep their inputs (``_layers``' ``below``); None where none. Without
     the head (a pipeline stage's forward) no model output references the layers' KV cache tensors
-    (``_Replay.out_refs``): freed here."""
+    (``_LayerCarry.out_refs``): freed here."""
     top = top if top is not None else _fed_top_output(R, q, tk, kept, recompute)
-    top, R.resid = R.resid if R.resid is not None else top, None
+    top, R.layer.resid = R.layer.resid if R.layer.resid is not None else top, None
     if not head:
-        R.out_refs = R.frees(R.out_refs) or []
+        R.layer.out_refs = R.frees(R.layer.out_refs) or []
     return top
 
 

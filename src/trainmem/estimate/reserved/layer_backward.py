@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...allocator_rules import block_bytes
+from ..group_events import Bwd, Fwd, index
 from ..layers import HALF
 from ..moments import best_transient
 from ..quantities import Quantities
@@ -75,8 +76,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     unsharded = _fsdp2_unsharded(st, fs)                          # FSDP2's gradients, by tensor
     recorded = _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full))
     if recorded or not (per_linear and _by_op(q, parts, recompute, flat1)):  # not op by op: its moments count
-        R.free(R.resid_grad)                                      # the incoming gradient (the final norm's,
-        R.resid_grad = None                                       # ``loss_backward._final_norm_backward``)
+        R.free(R.layer.resid_grad)                                # the incoming gradient (the final norm's,
+        R.layer.resid_grad = None                                 # ``loss_backward._final_norm_backward``)
     if recorded:                                                  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
@@ -206,7 +207,7 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
         else:
             groups.append([m])
             starts.append(i)
-    resid, R.resid_grad = R.resid_grad, None                      # made by the final norm's backward, or
+    resid, R.layer.resid_grad = R.layer.resid_grad, None          # made by the final norm's backward, or
     if resid is None and lc.resid_grad:                           # (b, s, h), the stream's dtype, made here
         resid = R.alloc(int(lc.resid_grad * n))
     ctx = (kept, n, lambda j, e: _group_grad(R, s, q, (j, copies, pending, made), oib, e), [], [])
@@ -267,7 +268,7 @@ def _group_backward(R: _Replay, lc: Any, start: int, ctx: tuple) -> None:
 
 
 def _run_group(R: _Replay, g: tuple, ctx: tuple) -> None:
-    """One backward group's tensors in op order: each (b, s, width) block made ("t"), freed ("fK"), the
+    """One backward group's tensors in op order (codes ``group_events.Bwd``): each (b, s, width) block made ("t"), freed ("fK"), the
     layer's saved tensors released ("sK": ``kept``'s, from the group's base, set to None so that
     ``_release_saved`` and the layer's end skip them) and linear K's weight gradient made ("wK", ``grad``:
     ``_group_grad``: "hK" its half one under autocast, as the next block, "xK" its half weight copy freed), a block kept for a later group ("cK": ``ctx``'s carry) and taken there as the next
@@ -279,23 +280,23 @@ def _run_group(R: _Replay, g: tuple, ctx: tuple) -> None:
     _at, base, temps, events, _cover = g
     made: list = []
     for e in events:
-        if e in ("t", "u", "r"):
+        if e in (Bwd.TEMP, Bwd.TAKE, Bwd.TAKE_STREAM):
             a, b = temps[len(made)]
-            have = carry if e == "u" else stream if e == "r" else []
+            have = carry if e == Bwd.TAKE else stream if e == Bwd.TAKE_STREAM else []
             made.append(have.pop(0) if have else R.alloc(int(a * n + b * n)) if a or b else None)
-        elif e[0] in "ck":
-            (carry if e[0] == "c" else stream).append(made[int(e[1:])])
-            made[int(e[1:])] = None
-        elif e[0] == "f":
-            R.free(made[int(e[1:])])
-            made[int(e[1:])] = None
-        elif e[0] in "wx":
-            grad(int(e[1:]), e[0])
-        elif e[0] == "h":
-            made.append(grad(int(e[1:]), "h"))
-        elif 0 <= base + int(e[1:]) < len(kept):
-            R.free(kept[base + int(e[1:])])
-            kept[base + int(e[1:])] = None
+        elif e[0] in (Bwd.CARRY, Bwd.KEEP_STREAM):
+            (carry if e[0] == Bwd.CARRY else stream).append(made[index(e)])
+            made[index(e)] = None
+        elif e[0] == Bwd.FREE:
+            R.free(made[index(e)])
+            made[index(e)] = None
+        elif e[0] in (Bwd.WEIGHT_GRAD, Bwd.DROP_COPY):
+            grad(index(e), e[0])
+        elif e[0] == Bwd.HALF_GRAD:
+            made.append(grad(index(e), Bwd.HALF_GRAD))
+        elif 0 <= base + index(e) < len(kept):                    # Bwd.RELEASE
+            R.free(kept[base + index(e)])
+            kept[base + index(e)] = None
     R.frees([h for h in made if h is not None])
 
 
@@ -305,10 +306,10 @@ def _group_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, e: s
     gradient (returned; the caller frees it after ``ToCopyBackward0``), "x" its half weight copy freed
     (``MmBackward0`` releasing it once it has run, after the input's gradient is made)."""
     i, copies, _pending, _made = lin
-    if e == "h":
+    if e == Bwd.HALF_GRAD:
         _pos, w, gbytes = q.detail.layer.linears[i]
         return R.alloc(round(w) * HALF) if gbytes else None
-    if e == "x":
+    if e == Bwd.DROP_COPY:
         R.free(copies[i])
         copies[i] = None
         return None
@@ -386,7 +387,7 @@ def _moe_saved(q: Quantities, parts: Any) -> tuple | None:
         return None
     counts = tuple(lc.moment_saved[first:last])                   # saved by each op's backward moment
     at = next((g[0] for g in getattr(parts, "groups", []) if g[0] <= counts[0]
-               and g[0] + g[2].count("s") == counts[-1]), None)
+               and g[0] + g[2].count(Fwd.SAVED) == counts[-1]), None)
     return None if at is None else (at,) + counts
 
 

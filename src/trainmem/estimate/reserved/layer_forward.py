@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...allocator_rules import SMALL_SIZE
+from ..group_events import Fwd, index
 from ..layers import HALF
 from ..moments import Tokens
 from ..quantities import Quantities
@@ -78,8 +79,8 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         fs.last = params                                          # not resharded after forward
     else:
         fs.reshard(R, params)                                     # resharded after forward
-    R.frees(R.resid_in)                                           # its unsaved input, held by the module call
-    R.resid_in.clear()                                            # until its hooks have run (``_group_allocs``)
+    R.frees(R.layer.resid_in)                                     # its unsaved input, held by the module call
+    R.layer.resid_in.clear()                                      # until its hooks have run (``_group_allocs``)
     return kept
 
 
@@ -483,8 +484,8 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
     if inputs:                                                    # (not a recomputation in backward)
         _resid_tail(R, parts, end)                                # down_proj's output, the layer's
     else:                                                         # (no model output references a recomputed
-        R.frees(R.out_refs)                                       # layer's cache tensors: ``_group_allocs``'s "cK")
-        R.out_refs.clear()
+        R.frees(R.layer.out_refs)                                 # layer's cache tensors: ``_group_allocs``'s "cK")
+        R.layer.out_refs.clear()
     return _Kept(handles + _layer_end(R, end, rebound), copies)
 
 
@@ -566,11 +567,11 @@ def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: 
                   ends: tuple = (None, None)) -> list:
     """One group of forward temporaries (``at``, bytes, events) made and freed among the saved tensors
     from ``parts[at]`` on, in op order where the layer's recipe writes them (``layers.Builder._eager_forward``,
-    ``Recipe.forward_group``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
+    ``Recipe.forward_group``, codes ``group_events.Fwd``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
     tensor, "gK" hands the K-th to ``after``, "eK" to ``end``, "nK" to ``later``, which the caller frees
     once it has made the next saved tensor (BERT's branch dropout output, ``layers._bert_branch_end``);
-    "cK" to ``_Replay.out_refs``, what the model output references (its KV cache: ``driver._forward`` frees it
-    with the output), "hK" to ``_Replay.attn_held`` until the next "H"; without the list, freed at the group's end; ``ends``: (``end``, ``later``)). Eager attention: trace makes them so (transformers 5.24.0
+    "cK" to ``_LayerCarry.out_refs``, what the model output references (its KV cache: ``driver._forward`` frees it
+    with the output), "hK" to ``_LayerCarry.attn_held`` until the next "H"; without the list, freed at the group's end; ``ends``: (``end``, ``later``)). Eager attention: trace makes them so (transformers 5.24.0
     ``eager_attention_forward``: the scores, scaled and masked, softmax's fp32 copy of bf16 scores);
     without them a pure-bf16 Qwen2 (b2 s1024, dp 4) opened one fp32 softmax block per layer where trace
     opened two (docs/validation.md ``reslayer``). Grouped experts: trace makes them so too (transformers
@@ -584,37 +585,37 @@ def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: 
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made, nxt = 0, at
     for e in events:
-        if e == "t":
+        if e == Fwd.TEMP:
             live[made] = R.alloc(temps[made])                     # (b, heads, s, s); experts' (S, h), (S, f), (T, h)
             made += 1
-        elif e == "s":
+        elif e == Fwd.SAVED:
             handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy; experts' rows...
             nxt += 1
-        elif e == "i":                                            # the layer's input, saved: the layer
+        elif e == Fwd.INPUT:                                      # the layer's input, saved: the layer
             handles.append(_layer_input(R) or R.alloc(parts[nxt], one=one))  # below's output, else made
             nxt += 1
-        elif e[0] == "h":                                         # held past the group: freed at the next "H"
-            R.attn_held.append(live.pop(int(e[1:]), None))
-        elif e[0] == "c":                                         # referenced by the model output (its KV
-            R.out_refs.append(live.pop(int(e[1:]), None))         # cache): freed with it (``driver._forward``)
-        elif e == "H":                                            # (``layers._llama_rotary_held``)
-            R.frees(R.attn_held)
-            R.attn_held.clear()
-        elif e == "w":                                            # the first matmul's cuBLAS workspace,
-            ws, R.ws_here = R.ws_here, None                       # after its output (``_saved_and_casts``)
+        elif e[0] == Fwd.HOLD:                                    # held past the group: freed at the next "H"
+            R.layer.attn_held.append(live.pop(index(e), None))
+        elif e[0] == Fwd.OUT_REF:                                 # referenced by the model output (its KV
+            R.layer.out_refs.append(live.pop(index(e), None))     # cache): freed with it (``driver._forward``)
+        elif e == Fwd.DROP_HELD:                                  # (``layers._llama_rotary_held``)
+            R.frees(R.layer.attn_held)
+            R.layer.attn_held.clear()
+        elif e == Fwd.WORKSPACE:                                  # the first matmul's cuBLAS workspace,
+            ws, R.layer.ws_here = R.layer.ws_here, None           # after its output (``_saved_and_casts``)
             if ws is not None:
                 ws()
-        elif e == "j":                                            # ... unsaved: the layer below's output
-            R.resid_in.append(_layer_input(R))                    # (the first layer's: the embeddings'),
+        elif e == Fwd.INPUT_TEMP:                                 # ... unsaved: the layer below's output
+            R.layer.resid_in.append(_layer_input(R))              # (the first layer's: the embeddings'),
             made += 1                                             # freed after the layer's hooks
-        elif e[0] == "g" and after is not None:
-            after.append(live.pop(int(e[1:]), None))
-        elif e[0] == "e" and end is not None:
-            end.append(live.pop(int(e[1:]), None))
-        elif e[0] == "n" and later is not None:
-            later.append(live.pop(int(e[1:]), None))
-        else:
-            R.free(live.pop(int(e[1:]), None))
+        elif e[0] == Fwd.AFTER and after is not None:
+            after.append(live.pop(index(e), None))
+        elif e[0] == Fwd.END and end is not None:
+            end.append(live.pop(index(e), None))
+        elif e[0] == Fwd.NEXT_SAVED and later is not None:
+            later.append(live.pop(index(e), None))
+        else:                                                     # Fwd.FREE (and a hand-off without its list)
+            R.free(live.pop(index(e), None))
     R.frees(list(live.values()))
     return handles
 
@@ -622,35 +623,35 @@ def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: 
 def _group_workspace(R: _Replay, parts: Any, ws: Any) -> Any:
     """Where one of the layer's forward groups makes the first matmul's output and marks its cuBLAS
     workspace ("w": the Llama layer's ``q_proj``, ``layers._llama_rotary_group``), ``ws`` (``_saved_mm_workspace``'s
-    call) is left to it (``_Replay.ws_here``, taken by ``_group_allocs``) and None returned; else ``ws``.
+    call) is left to it (``_LayerCarry.ws_here``, taken by ``_group_allocs``) and None returned; else ``ws``.
     ``ws`` None (the layer's end): a call the group did not take is made now, and cleared."""
     if ws is None:
-        left, R.ws_here = R.ws_here, None
+        left, R.layer.ws_here = R.layer.ws_here, None
         if left is not None:
             left()
         return None
-    if any("w" in events for _at, _t, events in getattr(parts, "groups", [])):
-        R.ws_here = ws
+    if any(Fwd.WORKSPACE in events for _at, _t, events in getattr(parts, "groups", [])):
+        R.layer.ws_here = ws
         return None
     return ws
 
 
 def _group_saved(events: Any) -> int:
     """How many saved tensors a forward group makes (``_group_allocs``: "s", and "i", the layer's input)."""
-    return events.count("s") + events.count("i")
+    return events.count(Fwd.SAVED) + events.count(Fwd.INPUT)
 
 
 def _layer_input(R: _Replay) -> Any:
-    """The layer's input as the layer below made it (``_resid_tail``; ``_Replay.resid``), taken; None where
+    """The layer's input as the layer below made it (``_resid_tail``; ``_LayerCarry.resid``), taken; None where
     no layer made it (the first layer: the embeddings' output, or the layer below does not write it)."""
-    h, R.resid = R.resid, None
+    h, R.layer.resid = R.layer.resid, None
     return h
 
 
 def _resid_tail(R: _Replay, parts: Any, end: list) -> None:
     """A layer whose residual stream is written in op order (``_Parts.tail``: ``LayerCoefs.resid_tail``), at
     its forward's end: ``down_proj``'s output (compute dtype), then the second residual add, the layer's
-    output (the stream's dtype, ``_Replay.resid``: the next layer's input, or the final norm's), after
+    output (the stream's dtype, ``_LayerCarry.resid``: the next layer's input, or the final norm's), after
     which ``down_proj``'s output and what the layer's frames hold until it returns (``end``: the first
     add's output, in a half stream) are freed (transformers 5.24.0
     ``models/llama/modeling_llama.py`` ``LlamaDecoderLayer.forward`` L313-315 and ``LlamaModel.forward``
@@ -662,7 +663,7 @@ def _resid_tail(R: _Replay, parts: Any, end: list) -> None:
     if not tail:
         return
     down = R.alloc(tail[0])                                       # (b, s, h) compute dtype
-    R.resid = R.alloc(tail[1])                                    # (b, s, h) the stream's dtype
+    R.layer.resid = R.alloc(tail[1])                              # (b, s, h) the stream's dtype
     R.free(down)
     R.frees(end)
     end.clear()

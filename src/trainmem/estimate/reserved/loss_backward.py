@@ -395,7 +395,7 @@ def _final_norm_backward(R: _Replay, q: Quantities, dx: int | None, norm: list, 
     under autocast ``ToCopyBackward0`` casts it to the stream's dtype (fp32), a new tensor, ``dx`` freed;
     then the norm's backward (``NativeLayerNormBackward0``: ``native_layer_norm_backward``, torch 2.13
     ``aten/src/ATen/native/layer_norm.cpp``) makes its input's gradient, (b, s, h) in the stream's dtype,
-    the residual stream's gradient that the top layer's backward holds (``R.resid_grad``, taken by
+    the residual stream's gradient that the top layer's backward holds (``R.layer.resid_grad``, taken by
     ``layer_backward._op_backward``), and only then releases its saved input, mean and rstd (``norm``:
     ``Node::release_variables`` after it ran, torch 2.13 ``csrc/autograd/engine.cpp``). Trace, GPT-2
     (2 layers) b1 s1024 bf16-amp: the 1.5 MiB bf16 ``mm`` output, the 147 MiB fp32 tied weight
@@ -407,7 +407,7 @@ def _final_norm_backward(R: _Replay, q: Quantities, dx: int | None, norm: list, 
         cast = R.alloc(resid)
         R.free(dx)
         dx = cast
-    R.resid_grad = R.alloc(resid)                                 # the norm's input gradient
+    R.layer.resid_grad = R.alloc(resid)                           # the norm's input gradient
     R.free(dx)
     R.frees(norm)
 

@@ -15,6 +15,34 @@ if TYPE_CHECKING:   # (used in annotations only; a run-time import would close a
 
 
 @dataclass
+class _LayerCarry:
+    """What one call of the layer passes leaves for a later one (``_Replay.layer``): handles of tensors a
+    layer's forward or backward made that another layer, a later forward group of the same layer, or the
+    head side frees or takes. Each field says who sets it and who reads it."""
+
+    # the layer's output, the next layer's input: set by ``layer_forward._resid_tail``; taken by the next
+    # layer's forward group (``layer_forward._layer_input``, events "i" / "j") or, for the top layer, by
+    # ``driver._top_output`` as the final norm's input
+    resid: Any = None
+    # the residual stream's gradient the final norm's backward made: set by ``loss_backward._final_norm_backward``;
+    # taken by the top layer's backward (``layer_backward._layer_backward``, ``_op_backward``)
+    resid_grad: int | None = None
+    # the layer's unsaved input (event "j"): appended by ``layer_forward._group_allocs``; freed by
+    # ``layer_forward._layer_forward`` once the layer's module hooks have run
+    resid_in: list = field(default_factory=list)
+    # the cuBLAS workspace's call a forward group makes (event "w"): set by ``layer_forward._group_workspace``;
+    # taken by ``_group_allocs`` at the event, else by ``_group_workspace`` at the layer's end
+    ws_here: Any = None
+    # a forward group's tensors held past it (event "hK"): appended by ``_group_allocs``; freed by a later
+    # group's "H" event (``_group_allocs``)
+    attn_held: list = field(default_factory=list)
+    # tensors the model output references, its KV cache (event "cK"): appended by ``_group_allocs``; freed with
+    # the output (``driver._forward``), by ``driver._top_output`` on a stage without the head, and by
+    # ``layer_forward._saved_and_casts`` after a recomputation
+    out_refs: list = field(default_factory=list)
+
+
+@dataclass
 class _Replay:
     """The simulated allocator and the handles of what is alive.
 
@@ -48,12 +76,7 @@ class _Replay:
     lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
     carry: list = field(default_factory=list)  # a derived layer's late frees: (J, handle), ``_sequence_forward``
     bcarry: list = field(default_factory=list)  # a derived layer's backward tensors left to the next (``_recorded_backward``)
-    resid_grad: int | None = None  # the residual stream's gradient the final norm's backward made, for the top layer
-    resid: Any = None  # the layer's output its forward made for the next layer (``layer_forward._resid_tail``)
-    resid_in: list = field(default_factory=list)  # its unsaved input, freed after its hooks (``_group_allocs``)
-    ws_here: Any = None  # the cuBLAS workspace's call a forward group makes ("w": ``layer_forward._group_workspace``)
-    attn_held: list = field(default_factory=list)  # a forward group's tensors held to a later group's "H" (``_group_allocs``)
-    out_refs: list = field(default_factory=list)  # ... referenced by the model output ("cK"): freed with it
+    layer: "_LayerCarry" = field(default_factory=lambda: _LayerCarry())  # what one layer's pass leaves the next
     loaded: bool = False   # the load is replayed (its blocks' placement is in the estimate's weights)
     excess: dict = field(default_factory=dict)  # handle -> bytes its block exceeds ``block_bytes`` of its request
     over: int = 0          # the sum of ``excess`` over the live blocks
