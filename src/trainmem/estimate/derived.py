@@ -235,7 +235,36 @@ def _key(version: int, *parts: Any) -> str:
 
 def _stored(k: str, version: int = 0) -> dict[str, Any] | None:
     doc = read_cached("coefficients", k)
-    return doc if doc is not None and doc.get("version") == (version or COEF_VERSION) else None
+    return whole(doc) if doc is not None and doc.get("version") == (version or COEF_VERSION) else None
+
+
+#: how near a whole number a coefficient's float is that number, relative to it (absolute below 1): ``whole``
+FIT_NOISE = 1e-5
+
+
+def whole(doc: Any) -> Any:
+    """``doc`` (a coefficient set, as stored or derived) with every float within ``FIT_NOISE`` of a whole
+    number made that number. Its coefficients are least-squares fits (``trace.derive._fitted``: numpy's
+    float64 ``lstsq``) of whole byte counts at whole (b, s) points, where each tensor adds its element
+    size times whole dimensions per term, a whole number; the fit returns it with float noise that differs
+    with the machine and the cache that fitted it (8195.99999999 for 8196, 2.4e-09 for 0; t5-base's shipped
+    4.0000016 re-derived here as 3.9999997). The replay rounds the sizes made of them to the allocator's
+    blocks (``trainmem.allocator_rules.block_bytes``: 2048^2 token-key pairs x 64.000001 B is 256 MiB + 4 B,
+    which occupies a 258 MiB segment, and no cached 256 MiB block serves it) and matches them with exact sizes
+    (``reserved.loss_forward._head_side``), so a byte of noise was a jump (the agreement grid's Phi-3 b1
+    s2048 fp32 eager full-recompute row: +10.1 % with 1e-6 B added to its coefficients near whole numbers;
+    ``tools/fit_noise_audit.py``). ``FIT_NOISE`` lies above that noise, and a float this near a whole
+    number moves by at most ``FIT_NOISE`` of itself (a byte per 10^5 tokens below 1 B per token); one
+    further is kept: a gradient share (``LayerCoefs``' transients), a set derived at one point (bytes /
+    tokens)."""
+    if isinstance(doc, dict):
+        return {k: whole(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [whole(v) for v in doc]
+    if isinstance(doc, float) and math.isfinite(doc):
+        near = round(doc)
+        return float(near) if abs(doc - near) <= FIT_NOISE * max(1.0, abs(doc)) else doc
+    return doc
 
 
 #: the coefficient versions before this one, newest first, whose sets are read where this installation
@@ -286,7 +315,7 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
     try:
-        doc = derive_coefficients(m, t, side, batch1=one)
+        doc = whole(derive_coefficients(m, t, side, batch1=one))
     except NotPolynomial as e:
         if m.is_encoder_decoder or m.is_image or m.is_vlm:  # (their point derivation is not checked against trace)
             raise
@@ -389,7 +418,7 @@ def _at_point(k: str, m: ModelSpec, t: TrainingSpec, side: str, point: tuple[int
                             f"are stored at batch {point[0]}, sequence {point[1]}; deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
     start = time.perf_counter()
-    doc = derive_coefficients(m, t, side, point=point)
+    doc = whole(derive_coefficients(m, t, side, point=point))
     doc.update(version=COEF_VERSION, seconds=round(time.perf_counter() - start, 2))
     write_cached("coefficients", pk, doc)
     return doc
