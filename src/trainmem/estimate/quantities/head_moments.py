@@ -309,6 +309,17 @@ def per_linear_replay(t: TrainingSpec) -> bool:
     return t.fsdp is None and t.tp == 1 and (not t.zero_stage or zero1_per_linear(t))
 
 
+def per_linear_casts(t: TrainingSpec) -> bool:
+    """Whether the allocator replay makes autocast's weight copies linear by linear in a layer's
+    forward although ``per_linear_replay`` is off: FSDP2 (``reserved.layer_forward._fsdp2_casts``,
+    torch 2.13 ``_fully_shard/_fsdp_param.py`` L677-678: the unsharded weight is a leaf that autocast
+    caches a copy of at its linear). Not FSDP1 (flat parameters' views, not checked against trace)
+    nor LoRA, whose frozen weights autocast does not cache (``requires_grad`` False): the grid's two
+    LoRA FSDP2 rows with other mismatches moved further off with it (Mixtral b2 s512 +5.38 -> +10.35 %,
+    BERT b1 s1024 -12.46 -> -13.31 %; Mistral's two 0.5 points nearer)."""
+    return t.fsdp is not None and t.fsdp_version == 2 and t.tp == 1 and not t.lora_rank
+
+
 def zero1_per_linear(t: TrainingSpec) -> bool:
     """Whether a DeepSpeed ZeRO-1 run's layers are replayed linear by linear (``per_linear_replay``).
     Stage 1 leaves autograd's gradients whole: each weight's ``.grad`` is its ``mm``'s output as on
