@@ -77,3 +77,15 @@ def test_recomputed_backward_keeps_fsdp2_gradients(monkeypatch, one_torch_thread
     m, t = _qwen(recompute="full", fsdp="full")
     estimate_patched(monkeypatch, m, t, [(layer_backward, "_linears_backward", spy)])
     assert calls == []
+
+
+def test_fsdp_tied_sum_at_its_own_bytes(monkeypatch, one_torch_thread):
+    """FSDP2, a tied head: the embedding's own gradient and autograd's out-of-place sum are asked at the
+    (151936, 896) fp32 table's own bytes (519.31 MiB), as trace asks them (``optimizer._tied_request``),
+    not at the 520 MiB block the estimate charges: with the head's part, three such requests a step
+    (the replay runs two), none of 520 MiB."""
+    m, t = _qwen()
+    table = 151936 * 896 * 4
+    seen = alloc_spy.large_requests(monkeypatch, lambda: estimate_patched(monkeypatch, m, t, []), MiB)
+    assert 520 * MiB not in seen
+    assert seen.count(table) >= 3 * 2

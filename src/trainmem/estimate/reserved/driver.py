@@ -17,7 +17,8 @@ from .layer_forward import LATE, _kept_blocks, _kept_whole, _layer_forward
 from .loss_backward import _head_backward, _loss_gradient, _softcap_backward
 from .loss_forward import (_dpo_after_logps, _head_side, _logit_allocs, _logit_tensors, _loss_forward, _shifted,
                            _softcap_bytes, _softcapped_logits)
-from .optimizer import _allocate_states, _lomo_update, _make_grads, _optimizer_step, _tied_embedding_sum
+from .optimizer import (_allocate_states, _lomo_update, _make_grads, _optimizer_step, _tied_embedding_sum,
+                        _tied_request)
 from .parts import _Forward, _layer_parts
 from .replay import GATHER_STREAM, GRAD_STREAM, _Replay, _replay_build, _Step
 from .zero_gather import _Zero3Fetch, _Zero3Replay
@@ -511,8 +512,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
-        emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
-        acc = [R.alloc(q.tied_grad)]                              # it to the head's into a new tensor, the
+        emb_out = _tied_request(R, q)                             # gradient, then autograd's InputBuffer adds
+        acc = [_tied_request(R, q)]                               # it to the head's into a new tensor, the
         R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
         #                                                           root resharded after forward or kept gathered:
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
