@@ -478,15 +478,15 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.backward_start(R)                                    # final norm's at their outputs' gradients
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
-    head_full, tied = _head_backward(R, s, q, flags, f, dlogits, n) if head else (None, None)
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits, n) if head else ([], None)
     buckets += _ds_buckets(R, q, at_start=False)                  # ... from v0.18.3, at the first hook
     if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
         R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
     #                                                               the next hook: deepspeed_offload_check_head)
     if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
-        f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
+        f.fs.post_backward(R, f.root, head_full, q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
         _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream, flat=f.fs.grad_stream > 0)
-        head_full, f.root = None, []
+        head_full, f.root = [], []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
         _zero12_at(R, s, q, i)                                    # DeepSpeed ZeRO-1/2: made by a hook here?
@@ -519,7 +519,11 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
         emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
-    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1])
+    if f.fs.v2:                                                   # FSDP2's root post-backward: resharded
+        f.fs.reshard(R, f.root)                                   # before its reduce (torch 2.13
+        f.root = []                                               # _fsdp_param_group.py L637-638, L688)
+    f.fs.reduce(R, head_full + [emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1],
+                last=head_full[-1] if head_full and q.fsdp_root_last else None)  # (FSDP2: the head's, registered last)
     _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
                 flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
