@@ -89,3 +89,15 @@ def test_fsdp_tied_sum_at_its_own_bytes(monkeypatch, one_torch_thread):
     seen = alloc_spy.large_requests(monkeypatch, lambda: estimate_patched(monkeypatch, m, t, []), MiB)
     assert 520 * MiB not in seen
     assert seen.count(table) >= 3 * 2
+
+
+def test_head_half_gradient_first(monkeypatch, one_torch_thread):
+    """FSDP2 under autocast: the head's ``mm`` backward makes its weight gradient in bf16 ((151936, 896),
+    259.66 MiB), autocast's ``ToCopyBackward0`` then the fp32 one (``head_moments.head_weight_grad_half``),
+    as trace makes them: one request of that size more per step (the replay runs two) than without."""
+    m, t = _qwen()
+    half = 151936 * 896 * 2
+    seen = alloc_spy.large_requests(monkeypatch, lambda: estimate_patched(monkeypatch, m, t, []), MiB)
+    without = alloc_spy.large_requests(monkeypatch, lambda: estimate_patched(
+        monkeypatch, m, t, [(head_moments, "per_linear_casts", lambda t: False)]), MiB)
+    assert seen.count(half) == without.count(half) + 2

@@ -345,8 +345,13 @@ def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     allocator replay (``reserved/``), where its block stands between the logits' gradients and the
     fp32 one. 0 without autocast (the ``mm`` output is the gradient itself), for a frozen head (LoRA),
     a chunked loss (one such gradient per chunk: ``chunk_head_grads``), ``--compile``, and where the
-    replay keeps its coarser blocks (``per_linear_replay``)."""
-    if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile or not per_linear_replay(t):
+    replay keeps its coarser blocks (``per_linear_replay``), but for FSDP2's (``per_linear_casts``:
+    the head's autocast copy is of its unsharded weight, a leaf, as on one GPU): trace makes the
+    (151936, 896) bf16 gradient (259.66 MiB) before the fp32 one there (Qwen2.5-0.5B b8 s256 FSDP2
+    grad-op over 4); the grid's rows do not move with it."""
+    if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile:
+        return 0
+    if not (per_linear_replay(t) or per_linear_casts(t)):
         return 0
     return cast_head
 
