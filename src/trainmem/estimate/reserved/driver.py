@@ -519,11 +519,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
         emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
-    if f.fs.v2:                                                   # FSDP2's root post-backward: resharded
-        f.fs.reshard(R, f.root)                                   # before its reduce (torch 2.13
-        f.root = []                                               # _fsdp_param_group.py L637-638, L688)
-    f.fs.reduce(R, head_full + [emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1],
-                last=head_full[-1] if head_full and q.fsdp_root_last else None)  # (FSDP2: the head's, registered last)
+    _root_reduce(R, q, f, head_full, [emb_full] + acc)           # the root's post-backward
     _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
                 flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
@@ -547,6 +543,20 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out                                            # forward (moments.pipeline_output)
     elif flags.hold == "backward" or flags.pipe_out:
         R.frees(f.out)
+
+
+def _root_reduce(R: _Replay, q: Quantities, f: _Forward, head: list, others: list) -> None:
+    """The root's post-backward reduce of its unsharded gradients (``head``: the final norm's and head's,
+    in registration order; ``others``: the embeddings'). FSDP2 reshards the root first (its gathered
+    parameters freed: torch 2.13 ``_fsdp_param_group.py`` ``post_backward`` L637-638, before
+    ``foreach_reduce`` at L688), and the head's gradient, the root's last parameter's, outlives the
+    sharded output (``_Fsdp.reduce``'s ``last``); FSDP1 reduces first (``_Fsdp.reshard`` at the end of
+    ``_backward``)."""
+    if f.fs.v2:
+        f.fs.reshard(R, f.root)
+        f.root = []
+    f.fs.reduce(R, head + others, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1],
+                last=head[-1] if head and q.fsdp_root_last else None)
 
 
 def _sent_grad(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> None:
