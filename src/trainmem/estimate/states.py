@@ -139,6 +139,8 @@ class States:
     # rounded to blocks: what the reserved replay requests (``reserved.fsdp._unsharded_grads``)
     head_grads_raw: int = 0
     emb_grads_raw: int = 0
+    # ... ``head_grads_raw`` tensor by tensor, in registration order (the final norm's, the head's)
+    head_grads_each: tuple[int, ...] = ()
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
@@ -716,6 +718,7 @@ class _Tally:
     emb_full: int = 0        # FSDP: unsharded untied-embedding gradient (bytes)
     head_raw: int = 0        # ... ``head_full`` and ``emb_full`` unrounded (elements x gathered dtype)
     emb_raw: int = 0
+    head_each: list = field(default_factory=list)  # ... ``head_raw`` tensor by tensor
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
@@ -889,7 +892,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
                   root_ag_raw=acc.root_ag_elems * r.gather, root_rs_raw=acc.root_rs_elems * reduce if root_rs else 0,
-                  head_grads_raw=acc.head_raw, emb_grads_raw=acc.emb_raw,
+                  head_grads_raw=acc.head_raw, emb_grads_raw=acc.emb_raw, head_grads_each=tuple(acc.head_each),
                   head_unit_full=acc.head_unit, head_unit_last=acc.head_last, head_unit_tensors=tuple(acc.head_list),
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
@@ -1291,6 +1294,7 @@ def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: t
         acc.head_grads += g
         acc.head_full += full
         acc.head_raw += n * r.gather if full else 0
+        acc.head_each += [n * r.gather] if full else []
         if full:
             acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
         return

@@ -29,7 +29,7 @@ from .head_grads import (chunk_head_grads, compiled_tied_grads, emb_accumulated,
 from .head_moments import (_autocast_copies, _head_replay_fields, bert_embeddings, bert_top_forward,
                            final_norm_backward, final_norm_forward, half_embedding_output, head_added_fields, head_weight_grad_half,
                            gpt2_embeddings, head_wgrad, held_embeddings, lookup_first,
-                           per_linear_replay)
+                           per_linear_casts, per_linear_replay)
 from .layer_moments import (_cast_first_free, _decoder_grads, _grads_above, _kept_and_redone, _layer_transients,
                             _split_outer, first_layer_unsaved, peft_offload_leaf, recompute_transients)
 from .layer_terms import _stage_layer, litgpt_terms
@@ -293,7 +293,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         **_galore_fields(m, t, st, oib), step_groups=foreach_groups(t), step_linger=step_lingers(t),
-        linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
+        linear_replay=int(per_linear_replay(t)), linear_casts=int(per_linear_casts(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t), step_adafactor=adafactor_loop(t, st),
         step_redistribute=tp_grad_redistributions(m, t), **_tied_fields(m, t, pol),
         emb_grad=emb_accumulated(m, t, stage), **head_added_fields(m, t, st, stage, oib), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,

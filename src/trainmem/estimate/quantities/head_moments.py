@@ -309,6 +309,17 @@ def per_linear_replay(t: TrainingSpec) -> bool:
     return t.fsdp is None and t.tp == 1 and (not t.zero_stage or zero1_per_linear(t))
 
 
+def per_linear_casts(t: TrainingSpec) -> bool:
+    """Whether the allocator replay makes autocast's weight copies linear by linear in a layer's
+    forward although ``per_linear_replay`` is off: FSDP2 (``reserved.layer_forward._fsdp2_casts``,
+    torch 2.13 ``_fully_shard/_fsdp_param.py`` L677-678: the unsharded weight is a leaf that autocast
+    caches a copy of at its linear). Not FSDP1 (flat parameters' views, not checked against trace)
+    nor LoRA, whose frozen weights autocast does not cache (``requires_grad`` False): the grid's two
+    LoRA FSDP2 rows with other mismatches moved further off with it (Mixtral b2 s512 +5.38 -> +10.35 %,
+    BERT b1 s1024 -12.46 -> -13.31 %; Mistral's two 0.5 points nearer)."""
+    return t.fsdp is not None and t.fsdp_version == 2 and t.tp == 1 and not t.lora_rank
+
+
 def zero1_per_linear(t: TrainingSpec) -> bool:
     """Whether a DeepSpeed ZeRO-1 run's layers are replayed linear by linear (``per_linear_replay``).
     Stage 1 leaves autograd's gradients whole: each weight's ``.grad`` is its ``mm``'s output as on
@@ -334,8 +345,13 @@ def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     allocator replay (``reserved/``), where its block stands between the logits' gradients and the
     fp32 one. 0 without autocast (the ``mm`` output is the gradient itself), for a frozen head (LoRA),
     a chunked loss (one such gradient per chunk: ``chunk_head_grads``), ``--compile``, and where the
-    replay keeps its coarser blocks (``per_linear_replay``)."""
-    if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile or not per_linear_replay(t):
+    replay keeps its coarser blocks (``per_linear_replay``), but for FSDP2's (``per_linear_casts``:
+    the head's autocast copy is of its unsharded weight, a leaf, as on one GPU): trace makes the
+    (151936, 896) bf16 gradient (259.66 MiB) before the fp32 one there (Qwen2.5-0.5B b8 s256 FSDP2
+    grad-op over 4); the grid's rows do not move with it."""
+    if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile:
+        return 0
+    if not (per_linear_replay(t) or per_linear_casts(t)):
         return 0
     return cast_head
 

@@ -386,6 +386,7 @@ class Quantities:
     # a masked LM's head backward node by node: (input gradient bytes per token, saved places released) (``mlm_head_grad_chain``)
     head_chain: tuple = ()
     linear_replay: int = 0  # 1: the allocator replay makes each linear's blocks in turn (``per_linear_replay``)
+    linear_casts: int = 0   # 1: ... only its autocast weight copies, in forward (``per_linear_casts``: FSDP2)
     # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0

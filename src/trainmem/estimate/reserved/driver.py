@@ -17,7 +17,8 @@ from .layer_forward import LATE, _kept_blocks, _kept_whole, _layer_forward
 from .loss_backward import _head_backward, _loss_gradient, _softcap_backward
 from .loss_forward import (_dpo_after_logps, _head_side, _logit_allocs, _logit_tensors, _loss_forward, _shifted,
                            _softcap_bytes, _softcapped_logits)
-from .optimizer import _allocate_states, _lomo_update, _make_grads, _optimizer_step, _tied_embedding_sum
+from .optimizer import (_allocate_states, _lomo_update, _make_grads, _optimizer_step, _tied_embedding_sum,
+                        _tied_request)
 from .parts import _Forward, _layer_parts
 from .replay import GATHER_STREAM, GRAD_STREAM, _Replay, _replay_build, _Step
 from .zero_gather import _Zero3Fetch, _Zero3Replay
@@ -515,15 +516,15 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.backward_start(R)                                    # final norm's at their outputs' gradients
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
-    head_full, tied = _head_backward(R, s, q, flags, f, dlogits, n) if head else (None, None)
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits, n) if head else ([], None)
     buckets += _ds_buckets(R, q, at_start=False)                  # ... from v0.18.3, at the first hook
     if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
         R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
     #                                                               the next hook: deepspeed_offload_check_head)
     if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
-        f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
+        f.fs.post_backward(R, f.root, head_full, q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
         _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream, flat=f.fs.grad_stream > 0)
-        head_full, f.root = None, []
+        head_full, f.root = [], []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
         _zero12_at(R, s, q, i)                                    # DeepSpeed ZeRO-1/2: made by a hook here?
@@ -549,14 +550,14 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
-        emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
-        acc = [R.alloc(q.tied_grad)]                              # it to the head's into a new tensor, the
+        emb_out = _tied_request(R, q)                             # gradient, then autograd's InputBuffer adds
+        acc = [_tied_request(R, q)]                               # it to the head's into a new tensor, the
         R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
         #                                                           root resharded after forward or kept gathered:
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
         emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
-    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1])
+    _root_reduce(R, q, f, head_full, [emb_full] + acc)           # the root's post-backward
     _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
                 flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
@@ -580,6 +581,20 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out                                            # forward (moments.pipeline_output)
     elif flags.hold == "backward" or flags.pipe_out:
         R.frees(f.out)
+
+
+def _root_reduce(R: _Replay, q: Quantities, f: _Forward, head: list, others: list) -> None:
+    """The root's post-backward reduce of its unsharded gradients (``head``: the final norm's and head's,
+    in registration order; ``others``: the embeddings'). FSDP2 reshards the root first (its gathered
+    parameters freed: torch 2.13 ``_fsdp_param_group.py`` ``post_backward`` L637-638, before
+    ``foreach_reduce`` at L688), and the head's gradient, the root's last parameter's, outlives the
+    sharded output (``_Fsdp.reduce``'s ``last``); FSDP1 reduces first (``_Fsdp.reshard`` at the end of
+    ``_backward``)."""
+    if f.fs.v2:
+        f.fs.reshard(R, f.root)
+        f.root = []
+    f.fs.reduce(R, head + others, _root_reduce_input(q, f.fs), q.fsdp1_root_cast, root_raw(q, f.fs)[1],
+                last=head[-1] if head and q.fsdp_root_last else None)
 
 
 def _sent_grad(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> None:

@@ -46,21 +46,40 @@ def _fsdp1_load_buffers(st: Any) -> tuple:
 
 
 def _unsharded_grads(R: _Replay, fs: "_Fsdp", charge: int, raw: int) -> int | None:
-    """FSDP's unsharded gradients of the head and final norm, or of an untied input embedding, one
-    block charged ``charge``, their ``block_bytes`` as the estimate counts them (``_Replay.alloc``).
-    FSDP1: requested at the tensors' own bytes ``raw`` (elements x the gathered dtype; a (vocab,
-    hidden) fp32 gradient's 125.25 MiB), as the head's matmul backward and ``AccumulateGrad`` ask the
-    allocator for them; the rounded request (126 MiB: ``block_bytes`` charges a request of 10 MiB or
-    more its whole segment only when it opens one) does not fit a 125.25 MiB block an earlier
-    micro-batch left cached where trace's does (Phi-3 cut to 2 layers, FSDP1 dp 4, two micro-batches,
-    ``--grad-sync step``: the replay opened 126 and 252 MiB segments in step 2, trace none). FSDP2:
-    still the rounded request. Trace asks for the tensor's bytes there too, but with them two FSDP2
-    rows of the agreement grid move 10-12 points off: a re-gathered 125.25 MiB root parameter then
-    takes the 252 MiB segment the root's reduce-scatter input needs (the rest of FSDP2's root replay
-    not yet matched to trace's requests)."""
+    """FSDP's unsharded gradients of the final norm and head, or of an untied input embedding, one
+    block charged ``charge``, their ``block_bytes`` as the estimate counts them (``_Replay.alloc``),
+    requested at the tensors' own bytes ``raw`` (elements x the gathered dtype; a (vocab, hidden) fp32
+    gradient's 125.25 MiB), as the head's matmul backward and ``AccumulateGrad`` ask the allocator for
+    them; the rounded request (126 MiB: ``block_bytes`` charges a request of 10 MiB or more its whole
+    segment only when it opens one) does not fit a 125.25 MiB block an earlier micro-batch left cached
+    where trace's does (Phi-3 cut to 2 layers, FSDP1 dp 4, two micro-batches, ``--grad-sync step``: the
+    replay opened 126 and 252 MiB segments in step 2, trace none). FSDP2 too, now that its root's
+    post-backward reshards before it reduces (``driver._root_reduce``) and keeps the head's gradient
+    past ``foreach_reduce``'s output (``_Fsdp.reduce``'s ``last``): before that, these requests had
+    moved two grid rows 10-12 points off (a re-gathered 125.25 MiB root parameter took the 252 MiB
+    segment the root's reduce-scatter input needed); with it, Mistral b8 s256 FSDP2 +9.14 -> +0.06 %.
+    The head side tensor by tensor there (``_unsharded_head``)."""
     if charge <= 0:
         return None
-    return R.alloc(raw, charge=charge) if raw > 0 and not fs.v2 else R.alloc(charge)
+    return R.alloc(raw, charge=charge) if raw > 0 else R.alloc(charge)
+
+
+def _unsharded_head(R: _Replay, fs: "_Fsdp", st: Any) -> list:
+    """The final norm's and head's unsharded gradients (``_unsharded_grads``), in registration order.
+    FSDP2: each its own tensor (``States.head_grads_each``), each requested at its own bytes and charged
+    its block: autograd makes each parameter's ``.grad`` (the unsharded parameters are separate
+    ``nn.Parameter`` leaves, torch 2.13 ``_fully_shard/_fsdp_param.py`` L677-678), so the head's
+    (vocab, hidden) gradient is a tensor of its own. One block of the two, 62.63 MiB for Phi-3's bf16
+    (32064, 1024) head and (1024,) norm, did not fit the 62.62 MiB block trace's head gradient reuses in
+    step 2 (Phi-3 (2 layers) b1 s2048 FSDP2 dp 2 bf16-mp, full recomputation: -15.7 % with the
+    root's post-backward in torch's order, -0.8 % tensor by tensor). FSDP1: one block (its views)."""
+    each = st.head_grads_each
+    if st.head_grads_full <= 0:
+        return []
+    if not (fs.v2 and each and sum(each) == st.head_grads_raw):
+        return [_unsharded_grads(R, fs, st.head_grads_full, st.head_grads_raw)]
+    made = [R.alloc(x, charge=block_bytes(x, R.a.expandable_segments)) for x in reversed(each)]  # head first
+    return made[::-1]
 
 
 def _root_reduce_input(q: Quantities, fs: "_Fsdp") -> int:
@@ -176,6 +195,7 @@ class _Fsdp:
     flat: int | None = None    # ... the unit's flat gradient just kept, claimed as its ``.grad`` by ``_unit_grads``
     mp_shards: int = 0         # FSDP1 under bf16-mp: the ranks a unit is sharded over (``unshard``'s low-precision shard)
     cast: int | None = None    # FSDP1's root hook: its flat gradient's fp32 copy, until the hook returns (``reduce``)
+    held: int | None = None    # FSDP2: the root's last unsharded gradient, until ``foreach_reduce`` returns (``reduce``)
 
     @property
     def grad_stream(self) -> int:
@@ -317,7 +337,8 @@ class _Fsdp:
         rs = q.fsdp_rs_buf or q.fsdp_rs_side
         return max(1, round(rs / full)) if rs and full else 1
 
-    def reduce(self, R: _Replay, grads: list, rs_bytes: int, cast: int = 0, raw: int = 0) -> None:
+    def reduce(self, R: _Replay, grads: list, rs_bytes: int, cast: int = 0, raw: int = 0,
+               last: int | None = None) -> None:
         """The reduce-scatter input: the unsharded gradients copied into one flat buffer in the reduce
         dtype, then freed. FSDP1 frees it when the collective is issued. FSDP2 from PyTorch 2.5 makes it
         on the default stream and keeps it until the next unit's ``post_backward``
@@ -341,12 +362,20 @@ class _Fsdp:
         one layer's input held in that pool beside the default stream's (``reduced``). ``cast``: FSDP1's
         root hook copies its flat gradient to the reduce dtype on the post-backward stream first
         (``quantities.fsdp1.fsdp1_root_cast``), freed once the new shard is made (``reduced``). ``raw``:
-        the input's bytes as requested where known (``root_raw``), charged ``rs_bytes``."""
+        the input's bytes as requested where known (``root_raw``), charged ``rs_bytes``. ``last``: FSDP2,
+        the handle among ``grads`` of the unit's last parameter's gradient, which ``foreach_reduce``'s
+        dim-0 loop variable still references after ``unsharded_grads.clear()``, until it returns (torch 2.13
+        ``_fsdp_collectives.py`` L580-590 ``for i, (fsdp_param, unsharded_grad) in enumerate(...)``, L606
+        ``clear``, L612 the output allocated): kept past the sharded output (``reduced``), as the
+        estimate's ``fsdp.root_reduce`` moment counts it (``Quantities.fsdp_root_last``). Passed for the
+        root, whose last parameter is an untied head; a layer's last is a norm's (small, not replayed)."""
         if self.v2:                                               # the upper unit's input popped first
             R.free(self.rs)                                       # (``post_backward``: the root's too)
             self.rs = None
         rs = R.alloc(raw or rs_bytes, self.grad_stream if self.rs_side else 0, charge=rs_bytes if raw else 0)
-        R.frees(grads)
+        held = last if self.v2 and last in grads else None
+        R.frees([g for g in grads if g is not held or held is None])
+        self.held = held
         if self.no_sync:                                          # FSDP1's root inside no_sync: its flat
             self.flat = rs                                        # gradient kept (``_fsdp1_no_sync``)
         elif self.v2:
@@ -358,12 +387,13 @@ class _Fsdp:
     def reduced(self, R: _Replay) -> None:
         """FSDP2 before PyTorch 2.5: ``foreach_reduce_scatter`` returns, once the sharded gradients are
         made, and its reduce-scatter input is freed (``reduce``); FSDP1's root hook returns and its
-        flat gradient's fp32 copy is freed."""
+        flat gradient's fp32 copy is freed; FSDP2's ``foreach_reduce`` returns and the last gradient
+        its loop variable held is freed (``reduce``'s ``last``)."""
         if self.rs_side:
             R.free(self.rs)
             self.rs = None
-        R.free(self.cast)
-        self.cast = None
+        R.frees([self.cast, self.held])
+        self.cast = self.held = None
 
     def recorded(self, R: _Replay, handle: int | None) -> None:
         """FSDP1 drops autograd's flat gradient once its post-backward hook returns, after

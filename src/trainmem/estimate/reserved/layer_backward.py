@@ -12,8 +12,8 @@ from ..layers import HALF
 from ..moments import best_transient
 from ..quantities import Quantities
 from .fsdp import _Fsdp, _fsdp1_reduce, _fsdp1_whole, _unit_grads
-from .layer_forward import (_Kept, _op_recomputed, _op_written, _per_linear, _recompute_casts, _saved_and_casts,
-                            _sequence_forward)
+from .layer_forward import (_Kept, _op_recomputed, _op_written, _per_linear, _recompute_casts, _redo_per_linear,
+                            _saved_and_casts, _sequence_forward)
 from .optimizer import _grad_of
 from .replay import _placed, _Replay, _Step
 
@@ -60,10 +60,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
             _saved_and_casts(R, q, parts, inputs=False)           # autocast's weight copies at its linears
         R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
         R.carry = []
-        kept, per_linear = _Kept(list(kept), redo.casts), True
+        kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
     elif _op_written(parts, recompute) is not None and (_recompute_casts(q) or _uncast_by_op(q, parts)):  # per-op:
         redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
-        kept, per_linear = _Kept(list(kept), redo.casts), True
+        kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
     else:
         redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile

@@ -409,10 +409,11 @@ def _linear_casts(q: Quantities) -> list[int] | None:
     in order), one tensor per weight, and the matmul saves it for the input's gradient
     (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``; ``derivatives.yaml`` ``mm``: ``mat2`` saved
     when ``self`` requires grad). From the layer's recipe (``LayerCoefs.linears``); None without
-    autocast copies, where the replay keeps one block for them (``_linear_replay``), or where the
+    autocast copies, where the replay keeps one block for them (neither ``_linear_replay`` nor, in
+    forward only, FSDP2's ``_fsdp2_casts``), or where the
     recipe's linears are not the tensors autocast copies (a derived architecture has no recipe: its
     copies are one block)."""
-    if not q.cast_layer or not _linear_replay(q):
+    if not q.cast_layer or not (_linear_replay(q) or _fsdp2_casts(q)):
         return None
     casts = [round(w) * HALF for _pos, w, _g in q.detail.layer.linears]
     return casts if sum(casts) == q.cast_layer else None
@@ -685,6 +686,33 @@ def _linear_replay(q: Quantities) -> bool:
     +7.2%, bf16-amp +5.5% and +0.3%; neither places the experts' gradients where trace does)."""
     lc = q.detail.layer
     return bool(q.linear_replay) and bool(lc.linears) and not lc.after_uncast
+
+
+def _fsdp2_casts(q: Quantities) -> bool:
+    """FSDP2 with autocast (``quantities.head_moments.per_linear_casts``): each linear's weight copy made
+    at its linear in forward (``_linear_casts``), where the rest of the layer's backward keeps its one
+    block and FSDP2's unsharded gradients (``_linear_replay`` stays off). The unsharded parameter is an
+    ``nn.Parameter`` leaf with the sharded one's ``requires_grad`` (torch 2.13
+    ``distributed/fsdp/_fully_shard/_fsdp_param.py`` L677-678, ``init_unsharded_param``), so
+    ``cached_cast`` copies each weight at its linear's first call and keeps it, as on one GPU
+    (``aten/src/ATen/autocast_mode.cpp``). With the copies as one block after the layer's saved
+    tensors, against trace, Qwen2.5-0.5B (2 layers) b8 s256 math SDPA bf16-amp FSDP2 grad-op over 4:
+    trace's 20 MiB segment freed by the head's backward, where autograd's cuBLAS workspace goes, held
+    the replay's last layer's tensors instead, so the workspace split a 1,188 MiB logits segment, the
+    root's exp_avg and exp_avg_sq joined it, and the second step opened another (+18.27 %, -0.15 %
+    linear by linear); GPT-2 b1 s2048 FSDP2 full over 2 +14.79 -> -0.00 %."""
+    lc = q.detail.layer
+    return bool(q.linear_casts) and bool(lc.linears) and not lc.after_uncast
+
+
+def _redo_per_linear(q: Quantities) -> bool:
+    """Whether a recomputed layer whose copies the recomputation remade linear by linear
+    (``_recompute_casts``) is back-propagated linear by linear (``_linears_backward``): yes, but where
+    only the forward's copies are (``_fsdp2_casts``): FSDP2's unsharded gradients are made with its
+    post-backward (``layer_backward._layer_backward``), and ``_linears_backward`` would look for each
+    weight's gradient among the sharded ones. Without this the grid's four FSDP2 Qwen3 rows under full
+    recomputation moved 0.2-0.3 points off trace's peak reserved memory (16-24 MiB)."""
+    return _linear_replay(q) or not _fsdp2_casts(q)
 
 
 def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:

@@ -8,7 +8,7 @@ from typing import Any
 from ..layers import F32, HALF
 from ..moments import StepFlags, Tokens
 from ..quantities import HEAD_SAVED, Quantities
-from .fsdp import _fsdp, _root_resharded, _unsharded_grads, root_raw
+from .fsdp import _fsdp, _root_resharded, _unsharded_head, root_raw
 from .loss_forward import _logit_allocs, _logit_tensors
 from .optimizer import _accumulated, _make_grads, _tied_request
 from .parts import _Forward
@@ -320,8 +320,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
             _make_grads(R, s, st.trainables, where, flags.oib)
 
     def gradients() -> tuple:
-        head_full = _unsharded_grads(R, f.fs, st.head_grads_full, st.head_grads_raw)   # FSDP: the head's unsharded
-        #                                                           gradients
+        head_full = _unsharded_head(R, f.fs, st)                  # FSDP: the head's unsharded gradients
         tied = _tied_request(R, q)                                # a tied head's, until the embedding's
         if not chain:                                             # (a masked LM's: at its dense's node)
             own()

@@ -44,7 +44,10 @@ def _tied_request(R: _Replay, q: Quantities) -> int | None:
     allocated peak does not move), as ``_grad_request`` asks the sum's ``.grad``: trace, GPT-2 (2 layers)
     b1 s1024 bf16-amp full recomputation asks 147.24 MiB for the head's part, where the replay asked
     148 MiB, and with the sum at its own bytes and the parts at their blocks lost a 198 MiB segment
-    (-10.8 %). (From branch ``qwen`` f1eef9f5.)"""
+    (-10.8 %). (From branch ``qwen`` f1eef9f5.) Under FSDP (``driver._backward``) the embedding's own
+    part and the out-of-place sum are requested so too: trace asks 519.31 MiB for each (Qwen2.5-0.5B's
+    (151936, 896) fp32 table, FSDP2 grad-op), where the replay asked 520 MiB, which no 519.31 MiB block
+    an earlier step left cached can hold."""
     raw = q.tied_raw
     return R.alloc(raw, charge=q.tied_grad) if 0 < raw <= q.tied_grad else R.alloc(q.tied_grad)
 
