@@ -1499,7 +1499,8 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
                     repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers",
                     k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat,
-                    k.heads / t if eager else 0.0, eager and max(pol.half, pol.stream) != F32 and not B.fp16)
+                    k.heads / t if eager else 0.0, eager and max(pol.half, pol.stream) != F32 and not B.fp16,
+                    k.addmm)
     S = nograd_llama(L)
     return _nograd_coefs(S, tuple(S.op_kept()))
 

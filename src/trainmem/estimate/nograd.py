@@ -127,6 +127,9 @@ class NoGradLayer:
     # softmax(dtype=float32) copies a bf16 input to fp32 first (an fp16 one runs half_to_float)
     eager_heads: float = 0.0
     bf16_copy: bool = False
+    # the modules whose linear has a bias (``LayerKey.addmm``: Qwen2's q/k/v): ``at::linear`` runs them as
+    # ``addmm``, not ``aten.mm``, which torchtitan's per-op policy does not count (``NoGradSeq.mm``)
+    addmm: tuple = ()
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -151,6 +154,16 @@ def rms_norm(S: NoGradSeq, L: NoGradLayer, x_bytes: int) -> int:
     return out
 
 
+def _mm_out(S: NoGradSeq, L: NoGradLayer, name: str, res: int) -> None:
+    """Marks linear ``name``'s output ``res`` as an ``aten.mm``'s (``NoGradSeq.mm``, what torchtitan's per-op
+    policy counts) unless the linear has a bias (``L.addmm``): ``at::linear`` on a 3-D input with a bias runs
+    ``addmm`` on the folded input (torch 2.13 ``aten/src/ATen/native/Linear.cpp`` ``linear``:
+    ``_flatten_nd_linear``), not on torchtitan v0.2.2's ``_op_sac_save_list`` (as
+    ``layers.op_checkpoint_saved`` counts the recipe's)."""
+    if not any(b == name or b.endswith("." + name) for b in L.addmm):
+        S.mm.append(res)
+
+
 def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float, x_bytes: int = 0) -> int:
     """A linear on an input of ``x_tok`` elements per token in the linear's dtype, ``out`` wide. A
     LoRA target is peft's ``Linear.forward`` (L1088-1111): ``result = base_layer(x)``; ``x`` cast
@@ -169,12 +182,12 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float, x_
         xc = S.make(x_tok * L.half) if x_bytes and x_bytes != L.half else None  # the input cast
         S.cast()                                        # the weight's half copy (cached)
         res = S.make(out * L.half)
-        S.mm.append(res)                                # (a bias-free linear: aten.mm)
+        _mm_out(S, L, name, res)
         S.free(xc)
         return res
     dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
-    S.mm.append(res)
+    _mm_out(S, L, name, res)
     S.free(dq)                                          # freed when MatMul4Bit.forward returns
     rank = _rank(L, name)
     if not rank:
