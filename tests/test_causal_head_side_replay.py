@@ -36,15 +36,9 @@ def _one_block(monkeypatch, m, t) -> int:
 
 
 @pytest.mark.parametrize("model, kw", [
-    pytest.param(LLAMA_GQA, dict(batch_size=1, seq_len=2048, loss="half", recompute="op"), marks=pytest.mark.xfail(
-        strict=True, reason=(
-            "+10.70 % since a checkpointed layer keeps the block made before it (driver._checkpoint_input; -0.19 % "
-            "before, the first forward one 16 MiB segment short of trace's): every large segment of the first step "
-            "now opens where trace's does; the two part in the top layer's per-op recomputation and backward "
-            "(layer_backward._op_backward: trace's down_proj MmBackward0 makes the weight's half gradient before the "
-            "input's and keeps that through ToCopyBackward0), and step 2 opens a 1002 MiB segment more. Replaying "
-            "the final RMSNorm's backward op by op (branch kept-norm) matches trace through the norm and leaves "
-            "this at +10.70 % (docs/agreement.md, kept)"))),
+    # per-op recompute: the top layer's incoming gradient made before its recomputation and its nodes
+    # replayed in trace's order (layer_backward._incoming_first, _op_backward's groups; +10.70 % before)
+    (LLAMA_GQA, dict(batch_size=1, seq_len=2048, loss="half", recompute="op")),
     (QWEN3, dict(batch_size=2, seq_len=512, optimizer="adafactor", precision="fp16-amp")),
     (PHI3, dict(batch_size=1, seq_len=2048, attention="eager", precision="fp32", recompute="full")),
 ], ids=["llama-gqa-amp-op", "qwen3-fp16amp-adafactor", "phi3-fp32-eager-full"])

@@ -110,3 +110,24 @@ def test_the_replay_asks_what_trace_asks_in_backward(monkeypatch, one_torch_thre
                          len(want))
     assert theirs == want
     assert ours == theirs
+
+
+def test_op_recompute_replays_down_proj_as_its_node_runs(monkeypatch):
+    """Under torchtitan's per-op policy with bf16 autocast (a recomputed layer, replayed op by op): down's
+    ``MmBackward0`` makes the weight's half gradient, then the input's (``derivatives.yaml`` ``mm``: the
+    generated node computes its outputs in sorted name order, ``mat2`` before ``self``, torchgen
+    ``load_derivatives.py`` L585), then releases its saved product, half weight copy and incoming half
+    gradient; ``ToCopyBackward0`` casts the weight's gradient to the fp32 ``.grad`` and the half one is
+    freed. Trace (b2 s256, below) shows this; before, the replay made the input's gradient first, freed
+    the weight copy between the two and made the input's gradient again at the cast."""
+    import trainmem
+    from trainmem.allocator_rules import block_bytes
+    kw = dict(batch_size=2, seq_len=256, use_cache=False, precision="bf16-amp", recompute="op")
+    tok, h, f = 2 * 256, WIDE["hidden_size"], WIDE["intermediate_size"]
+    wf, af, ah, w32 = (block_bytes(x) for x in (f * h * 2, tok * f * 2, tok * h * 2, f * h * 4))
+    got = _signed(monkeypatch, lambda: trainmem.estimate(WIDE, **kw))
+    loss = next(i for i, x in enumerate(got) if x <= -15 * 2**20)
+    k = got.index(w32, got.index(WS, loss))                        # down's fp32 .grad, the top layer's first
+    assert got[k - 5:k - 3] == [wf, af]                           # half weight gradient, then the input's
+    assert sorted(got[k - 3:k]) == sorted([-af, -wf, -ah])         # the node's saved and input tensors freed
+    assert got[k + 1] == -wf                                       # the half gradient, after the cast

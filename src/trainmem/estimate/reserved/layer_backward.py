@@ -62,8 +62,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
     elif _op_written(parts, recompute) is not None and (_recompute_casts(q) or _uncast_by_op(q, parts)):  # per-op:
+        grad_in = _incoming_first(R, q, parts, n)                 # the incoming gradient, there already
         redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
         kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
+        R.layer.grad_in = grad_in
     else:
         redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
@@ -192,8 +194,16 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
     2026-11-26 ``bert``). An earlier attempt at freeing each op's tensors where its node ran moved
     27 rows, 14 further (docs/validation.md ``reslbw``). ``ks``: (what the layer kept, its saved tensors
     in save order: the kept ones without recomputation, the remade ones under the per-op policy, whose
-    kept list starts with the layer's output). ``nb``: (tokens, tokens x keys). Returns the trainable
-    indices whose gradient was made."""
+    kept list starts with the layer's output). The remade ones, indexed as the kept ones would be (the
+    policy's cached ones None: released with ``kept`` at the layer's end), stand in the backward groups
+    (``_covered``, ``_run_group``'s "sK") and before ``_mm_moment`` as the kept ones do without
+    recomputation, and the first group takes the incoming gradient made before the recomputation
+    (``_incoming_first``). Before, a recomputed layer's ops were replayed moment by moment (the MLP's
+    three (b, s, f) gradients at once, each linear's input gradient before its weight's, the weight
+    copy freed between them): against trace, Llama-3.2 (GQA) b1 s2048 bf16-amp per-op +10.70 -> -0.01 %,
+    b8 s256 Adam for-loop +11.79 -> -0.00 %, Mistral b1 s2048 fp16-amp +10.20 -> -0.04 %; three rows whose
+    layout already differed from trace's moved away (docs/agreement.md, reserved section, ``opbwd``).
+    ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
     lc, st = q.detail.layer, q.detail.states
     n, nsq = nb
     kept, saved = ks
@@ -210,17 +220,19 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
     resid, R.layer.resid_grad = R.layer.resid_grad, None          # made by the final norm's backward, or
     if resid is None and lc.resid_grad:                           # (b, s, h), the stream's dtype, made here
         resid = R.alloc(int(lc.resid_grad * n))
-    ctx = (kept, n, lambda j, e: _group_grad(R, s, q, (j, copies, pending, made), oib, e), [], [])
+    carry, R.layer.grad_in = [h for h in (R.layer.grad_in,) if h is not None], None  # (``_incoming_first``)
+    ctx = (saved, n, lambda j, e: _group_grad(R, s, q, (j, copies, pending, made), oib, e), carry, [])
     for group, start in reversed(list(zip(groups, starts))):
-        if saved is kept and _covered(R, lc, (start, starts), ctx):  # the op's tensors in op order
+        if _covered(R, lc, (start, starts), ctx):                 # the op's tensors in op order
             continue
         _release_saved(R, saved, lc.moment_saved, start, len(lc.tensors))
         half = None
         for k, (blocks, lin) in enumerate(group):
             sizes = _moment_sizes(lc, start + k, blocks, nb, resid is not None)  # (b, s, width) each
-            if lin >= 0 and k == 0 and lin in lc.mm_linears and resid is None and len(sizes) >= 2 and saved is kept:
+            if lin >= 0 and k == 0 and lin in lc.mm_linears and resid is None and len(sizes) >= 2:
                 hs, half = _mm_moment(R, sizes, lambda: _linear_grad(R, s, q, (lin, copies, pending, made), oib,
-                                                                     cast=len(group) > 1))
+                                                                     cast=len(group) > 1, keep=True))
+                ctx[2](lin, Bwd.DROP_COPY)                         # its weight copy released: the node ran
                 R.frees(hs)
                 continue
             hs = R.allocs(sizes)
@@ -232,13 +244,32 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
                 half = None
             R.frees(hs)
         R.free(half)
-        if saved is kept:                                          # (not a recomputed layer's remade tensors)
-            _group_backward(R, lc, start, ctx)
+        _group_backward(R, lc, start, ctx)
     R.frees(ctx[3] + ctx[4])                                       # (a carried block no group took)
     R.free(resid)
     R.frees(copies)
     kept.casts = []
     return made
+
+
+def _incoming_first(R: _Replay, q: Quantities, parts: Any, n: int) -> int | None:
+    """Under the per-op policy, the layer's incoming gradient (the first block its first backward group
+    takes, "u": ``_op_backward``'s first, the last op's, a Llama MLP's ``_swiglu_backward``), made before
+    the layer's recomputation, as autograd made it: the final norm's (or the layer above's) backward
+    ran before this layer's first node unpacks a saved tensor and so triggers the recomputation (torch
+    2.13 ``utils/checkpoint.py`` ``_checkpoint_hook.unpack_hook``). Trace, Llama-3.2 (h 2048) b1 s2048
+    bf16-amp: the 16 MiB fp32 gradient is made by the final RMSNorm's ``PowBackward0`` before the top
+    layer's recomputation, and lives on to its post-attention norm's backward; the replay made it after
+    the recomputation, in a logits segment. None where ``_op_backward`` will not run a group first."""
+    lc = q.detail.layer
+    if not (_redo_per_linear(q) and _by_op(q, parts, "op", False) and lc.moment_blocks):
+        return None
+    last = len(lc.moment_blocks) - 1
+    g = next((g for g in lc.bwd_groups if g[4] and g[0] <= last < g[0] + g[4]), None)
+    if g is None or not g[3] or g[3][0] != Bwd.TAKE or not g[2]:
+        return None
+    a, b = g[2][0]                                                # (b, s, h), the stream's dtype
+    return R.alloc(int(a * n + b * n)) if a or b else None
 
 
 def _covered(R: _Replay, lc: Any, at: tuple, ctx: tuple) -> bool:
@@ -326,7 +357,11 @@ def _mm_moment(R: _Replay, sizes: list[int], grad: Any) -> tuple[list, Any]:
     ``grad.mm(mat2.t())``) (``tools/autograd/derivatives.yaml`` ``mm``): trace (the real node on fake tensors),
     a Llama (h 1024, f 2816) b2 s512 pure bf16 asks ``up_proj``'s 5.5 MiB (f, h) weight gradient before its
     2 MiB input gradient, as for the causal-LM head (``loss_backward._final_norm_backward``). A biased
-    linear (``addmm``) makes the input's first: the moment's order (``LayerCoefs.mm_linears``)."""
+    linear (``addmm``) makes the input's first: the moment's order (``LayerCoefs.mm_linears``). The
+    generated node computes its outputs in the sorted order of their names (torchgen
+    ``packaged/autograd/load_derivatives.py`` L585, ``for raw_names in sorted(defn.keys())``: ``mat2``
+    before ``self``) and releases its saved tensors, the half weight copy among them, only once both are
+    made (the caller frees the copy after this: ``_linear_grad``'s ``keep``)."""
     hs = R.allocs([sizes[0]] + sizes[2:])
     made = grad()
     return hs + [R.alloc(sizes[1])], made
@@ -484,18 +519,21 @@ def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int, total: int
         kept[i] = None
 
 
-def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:
+def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool,
+                 keep: bool = False) -> int | None:
     """One linear's weight gradient in ``_op_backward`` (``_linears_backward``' step): ``cast``: under
     autocast ``mm`` makes it in the compute dtype (returned, freed after ``ToCopyBackward0``) and its
-    half weight copy is freed; else the ``.grad`` itself, the trainable of its size (``_grad_of``).
+    half weight copy is freed (``keep``: left to the caller, ``_mm_moment``); else the ``.grad`` itself,
+    the trainable of its size (``_grad_of``).
     ``lin``: (its index in ``LayerCoefs.linears``, the copies, the pending and made trainables)."""
     i, copies, pending, made = lin
     st = q.detail.states
     _pos, w, gbytes = q.detail.layer.linears[i]
     if cast:
         half = R.alloc(round(w) * HALF) if (copies[i] is not None and gbytes) else None
-        R.free(copies[i])
-        copies[i] = None
+        if not keep:
+            R.free(copies[i])
+            copies[i] = None
         return half
     R.free(copies[i])
     copies[i] = None

@@ -27,6 +27,9 @@ class _LayerCarry:
     # the residual stream's gradient the final norm's backward made: set by ``loss_backward._final_norm_backward``;
     # taken by the top layer's backward (``layer_backward._layer_backward``, ``_op_backward``)
     resid_grad: int | None = None
+    # a recomputed layer's incoming gradient, made before its recomputation: set by
+    # ``layer_backward._layer_backward`` (``_incoming_first``); taken by ``_op_backward``'s first group ("u")
+    grad_in: Any = None
     # the layer's unsaved input (event "j"): appended by ``layer_forward._group_allocs``; freed by
     # ``layer_forward._layer_forward`` once the layer's module hooks have run
     resid_in: list = field(default_factory=list)
