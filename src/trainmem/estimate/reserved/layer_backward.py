@@ -162,6 +162,20 @@ def _uncast_by_op(q: Quantities, parts: Any) -> bool:
     return not q.cast_layer and _by_op(q, parts, "op", False)
 
 
+def _op_groups(lc: Any) -> tuple[list, list]:
+    """``lc.moment_blocks`` grouped by op (the consecutive moments of one linear: its ``mm`` and its
+    ``ToCopyBackward0``), in recorded order, and each group's first moment's index."""
+    groups: list = []
+    starts: list = []
+    for i, m in enumerate(lc.moment_blocks):
+        if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+            starts.append(i)
+    return groups, starts
+
+
 def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, int], where: tuple[str, ...],
                  oib: bool) -> set:
     """A hand-written layer's backward op by op, last op first (autograd runs a layer's nodes in
@@ -204,19 +218,10 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, 
     b8 s256 Adam for-loop +11.79 -> -0.00 %, Mistral b1 s2048 fp16-amp +10.20 -> -0.04 %; three rows whose
     layout already differed from trace's moved away (docs/agreement.md, reserved section, ``opbwd``).
     ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
-    lc, st = q.detail.layer, q.detail.states
-    n, nsq = nb
-    kept, saved = ks
+    (lc, st), n, (kept, saved) = (q.detail.layer, q.detail.states), nb[0], ks
     pending, made = list(_placed(st.trainables, where)), set()
     copies = list(kept.casts) or [None] * len(lc.linears)
-    groups: list = []                                              # one op's moments, in recorded order
-    starts: list = []                                              # ... and its first moment's index
-    for i, m in enumerate(lc.moment_blocks):
-        if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-            starts.append(i)
+    groups, starts = _op_groups(lc)
     resid, R.layer.resid_grad = R.layer.resid_grad, None          # made by the final norm's backward, or
     if resid is None and lc.resid_grad:                           # (b, s, h), the stream's dtype, made here
         resid = R.alloc(int(lc.resid_grad * n))
