@@ -97,7 +97,7 @@ def test_head_side_takes_a_fit_a_hair_under_the_sum(short, per_tensor):
     side = ((h * 4.0, HEAD_SAVED), (h * 4.0, 1), (4.0, HEAD_SAVED), (h * 4.0, 2), (h * 2.0, HEAD_SAVED),
             (h * 2.0, HEAD_SAVED))
     exact = int(sum(x for x, held in side if held == HEAD_SAVED) * tokens)
-    q = SimpleNamespace(head_side=side)
+    q = SimpleNamespace(head_side=side, cast_head_pre=0)
     tk = SimpleNamespace(tokens=tokens, outer_head=exact - short)
     R = _Replay()
     saved, _logits, _loss = _head_side(R, q, tk)

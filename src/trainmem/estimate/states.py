@@ -110,6 +110,9 @@ class States:
     # autocast's half copies of the matmul weights before the layers (an image model's patch
     # embedding), saved until the embeddings' backward
     embed_matmul_half: int = 0
+    # autocast's half copies of a masked LM's transform's weights (of ``head_matmul_half``): cast at
+    # the transform's dense, before the decoder's (``_head_pre_cast``)
+    head_pre_half: int = 0
     # torchao's low-bit AdamW: the compiled step's buffers of the tensor whose step makes the most
     # (``torchao_optim.step_peak``; one tensor at a time, so the largest sets it)
     torchao_step: int = 0
@@ -699,6 +702,7 @@ class _Tally:
     head_grads: int = 0
     lmh: int = 0             # autocast half copies of one layer's matmul weights
     hmh: int = 0             # autocast half copies of the head's
+    hpre: int = 0            # ... of those a masked LM's transform casts before its decoder (``_head_pre_cast``)
     emh: int = 0             # ... of the matmuls before the layers (an image model's patch embedding)
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
@@ -757,6 +761,17 @@ class _Tally:
             self.root_g += g
             self.root_rs_elems += _dim0_padded(shape, n, d)
             self.root_last = full
+
+    def half_copy(self, m: ModelSpec, p: ParamTensor, n: int, after: bool) -> None:
+        """autocast's half copy ((n,) elements, 2 bytes each) of a matmul weight outside the layers:
+        after them the head's (``hmh``; of it a masked LM's transform dense's, ``hpre``,
+        ``_head_pre_cast``), before them a patch embedding's (``emh``: kept to its backward). A half
+        head needs none; a VLM's vision side's is measured (``estimate.derived.vision_side``)."""
+        if not after:
+            self.emh += n * 2
+            return
+        self.hmh += n * 2
+        self.hpre += n * 2 if _head_pre_cast(m, p) else 0
 
     def mixed_unit_grad(self, r: _Rank, n: int, k: int, counted_layer: bool) -> None:
         """A frozen layer tensor of ``n`` elements (``k`` of them) in an FSDP1 unit with LoRA adapters
@@ -900,7 +915,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   build_peak=build_peak, gathered=gathered,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
-                  embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
+                  embed_matmul_half=acc.emh, head_pre_half=acc.hpre, root_flat_elems=acc.root_flat_bytes // r.gather,
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
@@ -1220,9 +1235,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
         elif p.is_matmul and t.amp and not half_table and not _vision_side(m, p):
-            # (a half head needs no autocast copy; before the layers, a patch embedding's: kept to its
-            # backward; a VLM's vision side's: measured, ``estimate.derived.vision_side``)
-            acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
+            acc.half_copy(m, p, n, after=bool(layer))  # (a half head needs none; a VLM's vision side's: measured)
         if _frozen(m, t, p):
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
@@ -1251,6 +1264,16 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = word_embedding(m)
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _head_pre_cast(m: ModelSpec, p: ParamTensor) -> bool:
+    """Whether ``p``, a matmul weight after the layers, is a masked LM's transform dense, which
+    autocast casts at that linear's call, before the decoder's (transformers 5.24
+    ``models/bert/modeling_bert.py`` L480-484 ``BertPredictionHeadTransform.forward``: ``dense``
+    first, L497-500 ``BertLMPredictionHead.forward``: ``transform`` then ``decoder``; RoBERTa's
+    ``lm_head.dense`` alike): its own copy, one request (``aten/src/ATen/autocast_mode.cpp``
+    ``cached_cast``: one copy per weight, made at the op that casts it)."""
+    return m.head == "masked-lm" and p.layer is None and p.module == "dense"
 
 
 def _sharded_4bit(t: TrainingSpec, r: _Rank, acc: _Tally, p: ParamTensor, n: int, uniform: bool,

@@ -26,7 +26,7 @@ from .fsdp1 import fsdp1_views
 from .fsdp_root import fsdp_buffers, fsdp_no_sync
 from .head_grads import (chunk_head_grads, compiled_tied_grads, emb_accumulated, emb_upcast, head_dequant_bytes,
                          softcap_saved, tied_head_grad, tied_head_grad_raw, tied_replicated_grad, torchtune_cap_bytes, whole_model_compiled)
-from .head_moments import (_autocast_copies, _head_replay_fields, bert_embeddings, bert_top_forward,
+from .head_moments import (_autocast_copies, head_pre_cast, _head_replay_fields, bert_embeddings, bert_top_forward,
                            final_norm_backward, final_norm_forward, half_embedding_output, head_added_fields, head_weight_grad_half,
                            gpt2_embeddings, head_wgrad, held_embeddings, lookup_first,
                            per_linear_casts, per_linear_replay)
@@ -280,7 +280,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_output_cache(t, lc),
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
-        cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
+        cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_head_pre=head_pre_cast(st, cast_head), cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
         cast_stage_only=_cast_stage_only(t, stage, cast_layer * checkpointed),
@@ -299,7 +299,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         emb_grad=emb_accumulated(m, t, stage), **head_added_fields(m, t, st, stage, oib), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),
         transients=z3_leaf_grads_held(trans, deepspeed_leaf_held(m, t, lc)),
-        fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
+        fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head - head_pre_cast(st, cast_head)),
         **_head_dequant_fields(m, t, head_here), **_head_replay_fields(m, t, pol, stage),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         **_derived_outer_fields(m, t, stage),

@@ -296,6 +296,19 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     return cast_layer, cast_head, cast_embed
 
 
+def head_pre_cast(st: States, cast_head: int) -> int:
+    """Bytes of ``cast_head`` that a masked LM's transform casts before the decoder: its dense's
+    (hidden, hidden) half copy (``States.head_pre_half``), which autocast makes when that linear
+    runs, one request of its own (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``: a copy per
+    weight; transformers 5.24 ``models/bert/modeling_bert.py`` L480-484 ``dense`` first in
+    ``BertPredictionHeadTransform.forward``, the decoder at L499). The allocator replay makes it
+    there (``reserved.loss_forward._head_side``) and the rest of ``cast_head``, the decoder's
+    (vocab, hidden) copy, at the decoder. Found by trace: BERT b8 s256 bf16-amp, trace asks 1.125 MiB
+    and then 44.71 MiB where the replay asked one 45.83 MiB block. 0 without autocast copies of the
+    head, and where the head is cast more than once (``head_casts``: not a masked LM's)."""
+    return st.head_pre_half if cast_head == st.head_matmul_half else 0
+
+
 def per_linear_replay(t: TrainingSpec) -> bool:
     """Whether the allocator replay (``reserved/``) makes a layer's blocks linear by linear: each
     weight's autocast copy where its linear runs, and in backward each weight's gradient (with its
@@ -348,7 +361,9 @@ def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     replay keeps its coarser blocks (``per_linear_replay``), but for FSDP2's (``per_linear_casts``:
     the head's autocast copy is of its unsharded weight, a leaf, as on one GPU): trace makes the
     (151936, 896) bf16 gradient (259.66 MiB) before the fp32 one there (Qwen2.5-0.5B b8 s256 FSDP2
-    grad-op over 4); the grid's rows do not move with it."""
+    grad-op over 4); the grid's rows do not move with it. A masked LM's: its decoder's, ``cast_head``
+    less the transform dense's copy (``head_pre_cast``: trace makes the (30522, 768) bf16 gradient,
+    44.71 MiB, for BERT's decoder, not one with the dense's 1.125 MiB)."""
     if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile:
         return 0
     if not (per_linear_replay(t) or per_linear_casts(t)):

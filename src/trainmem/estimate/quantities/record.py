@@ -364,6 +364,7 @@ class Quantities:
     fsdp_head_rs: int = 0     # ... its reduce-scatter input, kept until the last layer's post-backward
     fsdp_head_last: int = 0   # ... and the head's unsharded gradient, alive until that reduce returns
     cast_embed: int = 0    # the half weight copies of the matmuls before the layers (``_autocast_copies``)
+    cast_head_pre: int = 0  # of ``cast_head``: a masked LM's transform dense's copy, made at that linear (``head_pre_cast``)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
     # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op

@@ -167,7 +167,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     head, late, body = _head_side(R, q, tk, capped, top, rebound)  # the final norm's tensors, the head's input
     R.frees(rebound)                                              # (a head side of one block: after it)
     R.frees(embeds)                                               # the base model returns (held_embeddings)
-    head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
+    head.append(R.alloc(q.cast_head - q.cast_head_pre))           # autocast's half copy of the head (a transform's: _head_side)
     out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
         _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
     R.frees(late)                                                 # the head's input, once its matmul has run

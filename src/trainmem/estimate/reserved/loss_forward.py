@@ -72,11 +72,13 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0, top: int 
     if not sizes or rest < 0:
         side = [R.alloc(int(tk.outer_head) - capped, one=False)]
         R.free(top)
-        return side, [], []
+        return side + _pre_cast(R, q), [], []
     lists: dict[int, list] = {HEAD_SAVED: [], HEAD_LOGITS: [], HEAD_LOSS: []}
     temps: list = []                                              # [handle, tensors made before it is freed]
+    pre: list = []                                                # the transform dense's weight copy
     for i, (nbytes, held) in enumerate(sizes):
         h, top = _fed_norm_input(R, nbytes, held, top, i)
+        pre = _pre_cast(R, q) if i == 0 else pre                  # (after the dense's half input)
         if rebound:                                               # (after the first)
             R.frees(rebound)
             rebound.clear()
@@ -89,7 +91,17 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0, top: int 
         lists.get(held, []).append(h)
     R.frees([temp[0] for temp in temps])
     R.free(top)                                                   # (a half stream's: once the norm returns)
-    return lists[HEAD_SAVED] + [R.alloc(rest, one=False)], lists[HEAD_LOGITS], lists[HEAD_LOSS]
+    return lists[HEAD_SAVED] + [R.alloc(rest, one=False)] + pre, lists[HEAD_LOGITS], lists[HEAD_LOSS]
+
+
+def _pre_cast(R: _Replay, q: Quantities) -> list:
+    """autocast's half copy of a masked LM's transform dense (``q.cast_head_pre``,
+    ``quantities.head_moments.head_pre_cast``), made as that linear runs: after its cast input
+    (``cached_cast`` casts the linear's arguments in order, the input's first: trace's op stream,
+    BERT b8 s256 bf16-amp, the 3 MiB half input before the 1.125 MiB weight copy), saved for its
+    backward. Listed after the head side's saved tensors, whose places ``Quantities.head_chain``
+    names. [] where there is none."""
+    return [R.alloc(q.cast_head_pre)] if q.cast_head_pre else []
 
 
 def _fed_norm_input(R: _Replay, nbytes: int, held: int, top: int | None, i: int = 0) -> tuple[int | None, int | None]:
