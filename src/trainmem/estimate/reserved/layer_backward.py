@@ -63,7 +63,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
     elif _op_written(parts, recompute) is not None and (_recompute_casts(q) or _uncast_by_op(q, parts)):  # per-op:
         grad_in = _incoming_first(R, q, parts, n)                 # the incoming gradient, there already
-        redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
+        redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False,  # recomputed with its copies
+                                held_in=True)                     # and the norms' outputs its linears read
         kept, per_linear = _Kept(list(kept), redo.casts), _redo_per_linear(q)
         R.layer.grad_in = grad_in
     else:

@@ -197,12 +197,31 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
 
 def _op_recomputed(q: Quantities, parts: _Parts) -> _Parts:
     """A layer's saved tensors as its recomputation under the per-op policy remakes them: those the
-    policy kept (``LayerCoefs.op_saved``) taken from its cache, 0 bytes (their positions kept, for
-    ``_saved_and_casts``' linears)."""
-    cached = set(q.detail.layer.op_saved)
+    policy kept (``LayerCoefs.op_saved``) taken from its cache, and the layer's input (a group's
+    ``Fwd.INPUT``), which the checkpoint saved itself and hands back, 0 bytes (their positions kept,
+    for ``_saved_and_casts``' linears). The recomputation reads the input the checkpoint saved (torch
+    2.13 ``utils/checkpoint.py`` L842-852 ``_CheckpointFrame.save_inputs``, ``get_inputs``; L1657-1688
+    ``recompute_fn``: ``fn(*args)`` on the unpacked inputs, no copy; transformers 5.24.0
+    ``models/llama/modeling_llama.py`` L296-297: ``residual = hidden_states``, the input norm reads it).
+    The replay made it again, a 16 MiB fp32 block per layer beside the layer below's output, which is
+    that input: Mistral b1 s1024 dp 2 fp32 Lion +5.43 -> -0.90 %, Llama b8 s256 pp 2 ga 3 AdamW-8bit
+    +10.24 -> -0.08 % against trace's peak reserved memory (docs/agreement.md, reserved section, ``opin``)."""
+    cached = set(q.detail.layer.op_saved) | set(_input_index(parts))
     redo = copy.copy(parts)
-    redo[:] = [0 if i in cached else x for i, x in enumerate(parts)]
+    redo[:] = [0 if i in cached else x for i, x in enumerate(parts)]    # bytes; 0: no request
+    redo.groups = [(at, temps, tuple(Fwd.SAVED if e == Fwd.INPUT else e for e in events))
+                   for at, temps, events in getattr(parts, "groups", [])]  # (the layer below's output not taken)
     return redo
+
+
+def _input_index(parts: Any) -> list[int]:
+    """Where the layer's input lies among its saved tensors: the position of each group's ``Fwd.INPUT``
+    (``_group_allocs``), counting that group's saved tensors before it."""
+    out: list[int] = []
+    for at, _temps, events in getattr(parts, "groups", []):
+        saved = [e for e in events if e in (Fwd.SAVED, Fwd.INPUT)]
+        out += [at + k for k, e in enumerate(saved) if e == Fwd.INPUT]
+    return out
 
 
 def _op_written(parts: Any, recompute: str) -> list[int] | None:
@@ -420,7 +439,7 @@ def _linear_casts(q: Quantities) -> list[int] | None:
 
 
 def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True, ws: Any = None,
-                     rebound: list | None = None, first: tuple | None = None) -> _Kept:
+                     rebound: list | None = None, first: tuple | None = None, held_in: bool = False) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
     weight copies made between them at their linears (``_linear_casts``; else one block after them).
     A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
@@ -436,7 +455,12 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
     recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %).
     ``ws``: the cuBLAS workspace's call, made at the first matmul (``_saved_mm_workspace``); ``first``:
     the first saved tensor, the layer's input, made already (``_input_first``: its handles, how many);
-    ``rebound``: where the tensors its frames hold until it returns go (``_layer_end``)."""
+    ``rebound``: where the tensors its frames hold until it returns go (``_layer_end``). ``held_in``: a
+    recomputation under the per-op policy, which replays those held inputs here all the same (the norms'
+    fp32 (b, s, h) outputs, transformers 5.24.0 ``models/llama/modeling_llama.py`` L67, remade as the
+    first forward made them; ``_recompute_blocks`` has no moments of that recomputation to replay them
+    from). Without them, once the layer's input was not made again (``_op_recomputed``), Llama-3.2 GQA
+    b1 s2048 bf16-amp half loss went -0.01 -> +10.70 % against trace's peak reserved memory."""
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
     ws = _group_workspace(R, parts, ws)                           # (made in a group, after its first matmul's output)
@@ -458,7 +482,7 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
         return _Kept(handles + _layer_end(R, end, rebound))
     copies: list = []
     held = None                                                   # the unsaved fp32 input being read
-    unsaved = getattr(parts, "inputs", []) if inputs else []
+    unsaved = getattr(parts, "inputs", []) if inputs or held_in else []
     for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
         size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
         if size and held is None:                                 # made before its half cast, the last saved
