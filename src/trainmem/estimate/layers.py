@@ -2940,7 +2940,12 @@ def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep
 def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bool) -> None:
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))``: gate and up save their (cast) input; ``silu``
     saves the gate output; the product saves silu's output and the up output; down saves the
-    product."""
+    product. Frozen linears under autocast (LoRA) save no input cast, so the order of the saved
+    outputs places the weight copies among them (``reserved.layer_forward._saved_and_casts``): there
+    the gate and silu outputs are saved before ``up_proj``, as Python evaluates
+    ``act_fn(gate_proj(x))`` before ``up_proj(x)`` (transformers 5.24 ``models/llama/modeling_llama.py``
+    ``LlamaMLP.forward`` L164): trace, Qwen2.5-1.5B LoRA r16 bf16-amp b4 s2048, asks the gate copy, the gate
+    and silu outputs, then up_proj's input cast and copy (tests/test_lora_swiglu_order.py)."""
     half = B.p.half
     gate, up = T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.up_out")
     silu = T(f, 0, half, f"{name}.silu_out")
@@ -2954,11 +2959,13 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
             gate = T(f, 0, gate.nbytes, f"{name}.gate_out")
         # (``silu`` saves the gate output before ``up_proj`` runs: both alive in its forward)
         outer, B.outer_live = B.outer_live, (*B.outer_live, gate, T(f, 0, gate.nbytes, f"{name}.silu_out"))
+        if B.frozen and B.p.amp:  # frozen under autocast: gate's and silu's outputs saved before up_proj runs
+            B.r.save(gate, B.outer_live[-1])  # (``act_fn(gate_proj(x))`` is evaluated first; see the docstring)
         up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
         B.outer_live, silu = outer, B.outer_live[-1]
         if B.frozen:
             up = T(f, 0, up.nbytes, f"{name}.up_out")
-    B.r.save(gate, silu, up)
+    B.r.save(*((up,) if B.frozen and B.p.amp and not fused_gate_up else (gate, silu, up)))
     pd = max(gate.nbytes, up.nbytes, half)  # the product's dtype (type promotion)
     # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
     # input gradient and the product's two gradients, all (b, s, f), while the residual stream's
