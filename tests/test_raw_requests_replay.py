@@ -37,3 +37,14 @@ def test_vocab_sized_requests_at_own_bytes(monkeypatch, one_torch_thread):
     theirs = _vocab_sized(monkeypatch, lambda: trace(MISTRAL, **KW))
     assert set(theirs) == {1024 * 32000 * 4}
     assert sorted(ours) == sorted(theirs)
+
+
+def test_for_loop_step_temporaries_at_own_bytes(monkeypatch, one_torch_thread):
+    """A for-loop Adam's two temporaries per tensor (``_single_tensor_adam``'s ``exp_avg_sq.sqrt()`` and the
+    quotient, torch 2.13 ``optim/adam.py`` L544) ask the state's own bytes, as trace's do, not its
+    126 MiB block (``reserved.optimizer._loop_requests``; they asked 132120576 B before)."""
+    kw = dict(KW, optimizer="adam", optimizer_impl="for-loop")
+    ours = _vocab_sized(monkeypatch, lambda: trainmem.estimate(MISTRAL, **kw))
+    theirs = _vocab_sized(monkeypatch, lambda: trace(MISTRAL, **kw))
+    assert set(theirs) == {1024 * 32000 * 4}
+    assert sorted(ours) == sorted(theirs)

@@ -268,6 +268,21 @@ def _foreach_temps(R: _Replay, st: Any, sizes: list[int], total: int) -> list:
     return [R.alloc(r, charge=x) for r, x in zip(raw, sizes)]
 
 
+def _loop_requests(R: _Replay, st: Any, sizes: list[int]) -> list[int]:
+    """The bytes each temporary of a per-tensor loop requests (``sizes``: the blocks of each tensor's
+    first state, in parameter order): that state's own bytes (``_state_requests``), charged its block
+    by the caller, as ``_foreach_temps`` requests a foreach step's. torch 2.13 ``optim/adam.py``
+    ``_single_tensor_adam`` L544 ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``:
+    ``sqrt`` and the quotient are tensors of the state's shape and dtype, which the allocator rounds to
+    512 B only (c10/cuda/CUDACachingAllocator.cpp ``round_size``). Trace, Llama cut to 2 layers
+    (h 2048, vocab 32000, TP 2, fp32): the (16000, 2048) embedding's and head's ask 125 MiB (131072000 B)
+    each, where the replay asked their 126 MiB blocks. A tensor without states: its block."""
+    order = _parameter_order(st.trainables)
+    if len(order) != len(sizes):
+        return list(sizes)
+    return [(_state_requests(R, st, j) or (x,))[0] for j, x in zip(order, sizes)]
+
+
 def _dropped_lists(lists: list[list]) -> list:
     """The order a foreach step's temporary lists free their tensors when the step drops them: CPython's
     ``list_dealloc`` decrements its items from the last to the first (CPython 3.11, the venv's, ``Objects/listobject.c``
@@ -404,8 +419,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         _adafactor_step(R, s, st, q.step_adafactor, bool(lazy))
     elif q.step_linger and temp_copies and sizes:               # a loop whose last temporary lingers: the
         prev = None                                              # previous tensor's until the next's exist
-        for x in sizes:                                          # (quantities.optimizer_step.loop_pair_bytes)
-            made = R.allocs([x] * temp_copies)
+        for x, raw in zip(sizes, _loop_requests(R, st, sizes)):  # (quantities.optimizer_step.loop_pair_bytes)
+            made = [R.alloc(raw, charge=x) for _ in range(temp_copies)]
             R.frees(made[:-1])                                   # the expression's own, then the local rebound
             if prev is not None:
                 R.free(prev)
