@@ -1501,8 +1501,8 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
                     k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat,
                     k.heads / t if eager else 0.0, eager and max(pol.half, pol.stream) != F32 and not B.fp16,
                     k.addmm)
-    S = nograd_llama(L)
-    return _nograd_coefs(S, tuple(S.op_kept()))
+    S = nograd_llama(L)                              # (the workspace at q_proj's output, biased or not)
+    return {**_nograd_coefs(S, tuple(S.op_kept())), "nograd_mm0": S.mm0}
 
 
 def _nograd_coefs(S: NoGradSeq, op: tuple[int, ...]) -> dict:

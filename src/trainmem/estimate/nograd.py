@@ -52,6 +52,9 @@ class NoGradSeq:
     # SDPA kernel's output: what torchtitan's per-op policy may keep (``op_kept``)
     mm: list = field(default_factory=list)
     sdpa: list = field(default_factory=list)
+    # the first linear's output, an ``aten.mm``'s or a biased linear's ``addmm``'s: where the forward
+    # thread's cuBLAS workspace is made (``LayerCoefs.nograd_mm0``); -1 before any linear
+    mm0: int = -1
     # bytes of each per token x key (b * s * s: the math SDPA kernel's and eager attention's scores) and
     # per position pair (s * s: the math kernel's causal mask), beside ``sizes`` (0 for the others; ``make_sq``)
     sq: list = field(default_factory=list)
@@ -159,7 +162,12 @@ def _mm_out(S: NoGradSeq, L: NoGradLayer, name: str, res: int) -> None:
     policy counts) unless the linear has a bias (``L.addmm``): ``at::linear`` on a 3-D input with a bias runs
     ``addmm`` on the folded input (torch 2.13 ``aten/src/ATen/native/Linear.cpp`` ``linear``:
     ``_flatten_nd_linear``), not on torchtitan v0.2.2's ``_op_sac_save_list`` (as
-    ``layers.op_checkpoint_saved`` counts the recipe's)."""
+    ``layers.op_checkpoint_saved`` counts the recipe's). The first linear's output, either way, is
+    ``S.mm0``: ``addmm`` takes the cuBLAS handle as ``mm`` does (torch 2.13
+    ``aten/src/ATen/native/cuda/Blas.cpp`` ``addmm_out_cuda_impl``, both ops), and its workspace comes
+    with it (``reserved.layer_forward._first_mm_workspace``)."""
+    if S.mm0 < 0:
+        S.mm0 = res
     if not any(b == name or b.endswith("." + name) for b in L.addmm):
         S.mm.append(res)
 
