@@ -261,17 +261,15 @@ def _foreach_temps(R: _Replay, st: Any, sizes: list[int], total: int) -> list:
     32000, fp32 states): the embedding's and the head's ``sqrt`` ask 125 MiB (131072000 B) each, where
     the replay asked their 126 MiB blocks. Otherwise the blocks scaled to ``total`` (``_scaled``)."""
     per = _scaled(sizes, total)
-    order = _parameter_order(st.trainables)
-    if per != sizes or len(order) != len(sizes):
+    if per != sizes or len(_parameter_order(st.trainables)) != len(sizes):
         return R.allocs(per)
-    raw = [(_state_requests(R, st, j) or (x,))[0] for j, x in zip(order, sizes)]
-    return [R.alloc(r, charge=x) for r, x in zip(raw, sizes)]
+    return [R.alloc(r, charge=x) for r, x in zip(_loop_requests(R, st, sizes), sizes)]
 
 
 def _loop_requests(R: _Replay, st: Any, sizes: list[int]) -> list[int]:
     """The bytes each temporary of a per-tensor loop requests (``sizes``: the blocks of each tensor's
     first state, in parameter order): that state's own bytes (``_state_requests``), charged its block
-    by the caller, as ``_foreach_temps`` requests a foreach step's. torch 2.13 ``optim/adam.py``
+    by the caller; ``_foreach_temps`` requests a foreach step's the same way. torch 2.13 ``optim/adam.py``
     ``_single_tensor_adam`` L544 ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``:
     ``sqrt`` and the quotient are tensors of the state's shape and dtype, which the allocator rounds to
     512 B only (c10/cuda/CUDACachingAllocator.cpp ``round_size``). Trace, Llama cut to 2 layers
